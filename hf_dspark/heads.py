@@ -1,0 +1,118 @@
+"""Sequential heads (DSPARK.md §3) and the confidence head (§4).
+
+Each sequential head adds a bias B_k to the backbone's base logits U_k that depends on the tokens already chosen
+in the block. All heads share one step interface, so drafting runs them left to right without knowing which is
+which:
+
+    bias [R, V], feature [R, r], state = head.step(prev_tokens [R], h_k [R, d], state)
+
+``feature`` is W1[x_{k-1}], the input the confidence head reads beside h_k. ``teacher_forced`` runs all γ steps
+at once from known previous tokens (training, calibration).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configuration_dspark import DSparkConfig
+
+
+class MarkovHead(nn.Module):
+    """B(x_{k-1}, ·) = W1[x_{k-1}] · W2, with W1 ∈ R^{V×r} and W2 ∈ R^{r×V} (stored as Linear r→V)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def _mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return e
+
+    def step(self, prev: torch.Tensor, h: torch.Tensor, state=None):
+        e = self.markov_w1(prev)
+        return self.markov_w2(self._mix(e, h)), e, state
+
+    def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor):
+        """prev [..., γ], h [..., γ, d] -> bias [..., γ, V], feature [..., γ, r]."""
+        e = self.markov_w1(prev)
+        return self.markov_w2(self._mix(e, h)), e
+
+
+class GatedMarkovHead(MarkovHead):
+    """Markov head whose low-rank code is gated by the slot's hidden state: W1[x] ⊙ σ(W_g [h_k; W1[x]])."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+        super().__init__(vocab_size, hidden_size, rank)
+        self.markov_gate = nn.Linear(hidden_size + rank, rank)
+
+    def _mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return e * torch.sigmoid(self.markov_gate(torch.cat([h, e], dim=-1)))
+
+
+class RNNHead(nn.Module):
+    """Gated recurrent head: z_k = [s_{k-1}; W1[x_{k-1}]; h_k], s_k = g ⊙ s_{k-1} + (1-g) ⊙ tanh(W_c z_k),
+    B_k = W2ᵀ tanh(W_o z_k), with g = σ(W_g z_k) and W_g, W_c, W_o one joint linear (2r + d) -> 3r; s_0 = 0."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+        super().__init__()
+        self.rank = rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.rnn_cell = nn.Linear(2 * rank + hidden_size, 3 * rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None):
+        e = self.markov_w1(prev)
+        if state is None:
+            state = e.new_zeros(*e.shape[:-1], self.rank)
+        gate, cand, out = self.rnn_cell(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1 - gate) * torch.tanh(cand)
+        return self.markov_w2(torch.tanh(out)), e, state
+
+    def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor):
+        state, biases, feats = None, [], []
+        for k in range(prev.shape[-1]):
+            b, e, state = self.step(prev[..., k], h[..., k, :], state)
+            biases.append(b)
+            feats.append(e)
+        return torch.stack(biases, dim=-2), torch.stack(feats, dim=-2)
+
+
+HEADS = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
+
+
+def build_sequential_head(config: DSparkConfig) -> nn.Module | None:
+    """The sequential head named by ``config.head_type`` (``None`` for the pure parallel drafter)."""
+    if config.head_type == "none":
+        return None
+    return HEADS[config.head_type](config.target_vocab_size, config.hidden_size, config.head_rank)
+
+
+class ConfidenceHead(nn.Module):
+    """c_k = σ(wᵀ [h_k; W1[x_{k-1}]] / T_k): probability that slot k survives verification given 1..k-1 did.
+
+    Without a sequential head the input is h_k alone. ``temperatures`` (STS, one per position) divide the logit.
+    """
+
+    def __init__(self, hidden_size: int, feature_size: int):
+        super().__init__()
+        self.confidence_head = nn.Linear(hidden_size + feature_size, 1)
+
+    def logit(self, h: torch.Tensor, feature: torch.Tensor | None) -> torch.Tensor:
+        x = h if feature is None else torch.cat([h, feature], dim=-1)
+        return self.confidence_head(x).squeeze(-1)
+
+    @staticmethod
+    def calibrated(logit: torch.Tensor, temperature: float | torch.Tensor | None) -> torch.Tensor:
+        return torch.sigmoid(logit if temperature is None else logit / temperature)
+
+
+def soft_acceptance_label(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """c*_k = 1 - ½‖p_d - p_t‖₁ = Σ_v min(p_d, p_t): the exact one-step acceptance probability. [..., V] -> [...]."""
+    return torch.minimum(draft_probs, target_probs).sum(-1).clamp(0, 1)
+
+
+def log_softmax_fp32(logits: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(logits.float(), dim=-1)

@@ -1,0 +1,323 @@
+"""`DSparkDraftModel`: the parallel backbone with KV injection (DSPARK.md §2) plus its sequential and confidence heads.
+
+Read top to bottom: norms and RoPE, one draft layer (attention whose keys/values are [context ; block]), the model
+(context projection, block embedding, backbone forward), then the target wiring (identity checks, shared embedding
+and LM head, ``from_target``).
+
+Shapes: R rows, L context positions, γ = block_size, d = hidden_size, V = vocabulary, m = len(target_layer_ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration_dspark import DSparkConfig
+from .heads import ConfidenceHead, build_sequential_head
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [R, L] -> cos, sin [R, 1, L, head_dim] (HF rotate-half convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
+    freqs = positions.to(torch.float64)[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block only; keys/values are [W_K H_ctx ; W_K H_block] with RoPE at true positions."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.rope_theta = c.rope_theta
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else nn.Identity()
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def key_values(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [R, L, d], positions [R, L] -> keys, values [R, KV, L, head_dim] (keys normed and rotated)."""
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def forward(self, x, positions, ctx_k, ctx_v, attn_mask=None):
+        """x [R, γ', d] block states; ctx_k/ctx_v [R, KV, L, hd]; attn_mask [R, γ', L + γ'] bool or None."""
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        k, v = self.key_values(x, positions)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        mask = None if attn_mask is None else attn_mask[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """A pre-norm decoder layer (Llama/Qwen3 naming) whose attention also reads the injected context."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+
+    def forward(self, x, positions, ctx_k, ctx_v, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class DSparkOutput(ModelOutput):
+    """Backbone output. logits: base logits U [R, γ', V]; hidden_states: h [R, γ', d] (after the final norm)."""
+
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+class _TargetRef:
+    """Holds the target's embedding and LM head without registering them as submodules of the draft (so they are
+    neither saved in the draft's checkpoint nor counted among its parameters)."""
+
+    def __init__(self, target: nn.Module):
+        self.model = target
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+
+
+class DSparkDraftModel(PreTrainedModel):
+    """A DSpark draft: γ slots (anchor + γ-1 masks) in, base logits and hidden states for γ draft tokens out.
+
+    The draft owns its backbone, heads and (for targets without a mask token) a learned mask embedding. It borrows
+    the target's embedding table and LM head at use time: call :meth:`attach` (``from_target`` does it for you).
+    """
+
+    config_class = DSparkConfig
+    base_model_prefix = "dspark"
+    main_input_name = "target_hidden_states"
+    _no_split_modules = ["DraftLayer"]
+    _supports_sdpa = True
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        c = config
+        if c.target_vocab_size is None:
+            raise ValueError("DSparkConfig.target_vocab_size is required (build drafts with DSparkDraftModel.from_target)")
+        self.fc = nn.Linear(c.num_target_features * c.target_hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_draft_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
+        self.sequential_head = build_sequential_head(c)
+        feature = c.head_rank if self.sequential_head is not None else 0
+        self.confidence = ConfidenceHead(c.hidden_size, feature) if c.confidence_head else None
+        self._target: _TargetRef | None = None
+        self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        if module is self and self.config.mask_token_id is None:
+            nn.init.normal_(self.mask_embedding, std=std)
+        if module is self.sequential_head:
+            # The sequential head starts neutral: the draft begins as its parallel backbone.
+            nn.init.zeros_(module.markov_w2.weight)
+
+    # ----- the target it borrows from -------------------------------------------------------------------------
+
+    @property
+    def target(self) -> nn.Module:
+        if self._target is None:
+            raise RuntimeError("This draft is not attached to a target: call draft.attach(target) first.")
+        return self._target.model
+
+    def check_target(self, target: nn.Module) -> None:
+        """Raise ``ValueError`` naming each field where ``target`` differs from the target this draft was built for."""
+        tc = target.config.get_text_config()
+        c = self.config
+        expected = {
+            "model_type": (c.target_model_type, tc.model_type),
+            "hidden_size": (c.target_hidden_size, tc.hidden_size),
+            "vocab_size": (c.target_vocab_size, tc.vocab_size),
+            "num_hidden_layers": (c.target_num_layers, tc.num_hidden_layers),
+        }
+        wrong = [f"{k}: draft expects {a}, target has {b}" for k, (a, b) in expected.items() if a is not None and a != b]
+        if wrong:
+            raise ValueError("This DSpark draft was built for another target (" + "; ".join(wrong) + ").")
+
+    def attach(self, target: nn.Module) -> DSparkDraftModel:
+        """Check ``target`` and borrow its embedding and LM head. Returns ``self``."""
+        self.check_target(target)
+        self._target = _TargetRef(target)
+        return self
+
+    @property
+    def is_attached(self) -> bool:
+        return self._target is not None
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        if self._target is None:
+            raise RuntimeError("This draft is not attached to a target: call draft.attach(target) first.")
+        return self._target.lm_head(h)
+
+    # ----- backbone -------------------------------------------------------------------------------------------
+
+    def project_context(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """H_ctx = RMSNorm(W_c [H^{l_1}; …; H^{l_m}]): [R, L, m·d_t] -> [R, L, d]."""
+        return self.hidden_norm(self.fc(target_hidden_states))
+
+    def context_key_values(self, target_hidden_states: torch.Tensor, positions: torch.Tensor):
+        """Per-layer keys/values of newly committed context: [R, L, m·d_t], positions [R, L] -> [(k, v)] per layer,
+        each [R, KV, L, head_dim]. Callers cache these and extend them each round."""
+        h = self.project_context(target_hidden_states)
+        return [layer.self_attn.key_values(h, positions) for layer in self.layers]
+
+    def embed_block(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """anchor_ids [...] -> block inputs [..., γ, d]: the anchor's embedding then γ-1 mask embeddings."""
+        embed = self._target.embed_tokens if self._target is not None else None
+        if embed is None:
+            raise RuntimeError("This draft is not attached to a target: call draft.attach(target) first.")
+        anchor = embed(anchor_ids).to(self.dtype)
+        if self.config.mask_token_id is None:
+            mask = self.mask_embedding.to(anchor.dtype)
+        else:
+            mask = embed(torch.tensor(self.config.mask_token_id, device=anchor_ids.device)).to(anchor.dtype)
+        masks = mask.expand(*anchor.shape[:-1], self.config.block_size - 1, -1)
+        return torch.cat([anchor.unsqueeze(-2), masks], dim=-2)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+        attention_mask: torch.Tensor | None = None,
+        compute_logits: bool = True,
+    ) -> DSparkOutput:
+        """One backbone pass.
+
+        Args:
+            block_embeds: [R, N, d] block inputs (N = γ for one block, A·γ for A blocks packed in training).
+            block_positions: [R, N] true sequence positions of the block slots.
+            context: per-layer cached context keys/values from :meth:`context_key_values`, each [R, KV, L, hd].
+            attention_mask: [R, N, L + N] bool (True = may attend), or ``None`` for one block that sees all
+                context and itself bidirectionally.
+        Returns:
+            :class:`DSparkOutput` with ``hidden_states`` h [R, N, d] and base ``logits`` U [R, N, V].
+        """
+        if len(context) != len(self.layers):
+            raise ValueError(f"context has {len(context)} layers, the draft has {len(self.layers)}")
+        x = block_embeds
+        for layer, (k, v) in zip(self.layers, context, strict=True):
+            x = layer(x, block_positions, k, v, attention_mask)
+        h = self.norm(x)
+        return DSparkOutput(logits=self.lm_head(h) if compute_logits else None, hidden_states=h)
+
+    # ----- construction from a target -------------------------------------------------------------------------
+
+    @staticmethod
+    def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+        """Spread ``num_features`` layers from layer 1 to L-3 (DFlash's rule), or over all layers of tiny targets."""
+        lo, hi = (1, num_target_layers - 3) if num_target_layers >= 6 else (0, num_target_layers - 1)
+        n = min(num_features, hi - lo + 1)
+        if n == 1:
+            return [hi]
+        return sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)})
+
+    @classmethod
+    def from_target(cls, target: nn.Module, copy_target_layers: bool = False, **overrides) -> DSparkDraftModel:
+        """A randomly initialised draft shaped after ``target`` and attached to it.
+
+        The draft's layers take the target's width, heads and RoPE base; ``overrides`` set any config field.
+        ``copy_target_layers`` initialises draft layer i from the target's top layers (a good start for training).
+        """
+        tc = target.config.get_text_config()
+        rope = getattr(tc, "rope_parameters", None) or {}
+        fields = dict(
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 8192),
+            qk_norm=tc.model_type.startswith("qwen3"),
+            attention_bias=getattr(tc, "attention_bias", False),
+            target_model_type=tc.model_type,
+            target_hidden_size=tc.hidden_size,
+            target_vocab_size=tc.vocab_size,
+            target_num_layers=tc.num_hidden_layers,
+        )
+        fields.update(overrides)
+        if "target_layer_ids" not in overrides:
+            fields["target_layer_ids"] = cls.default_target_layer_ids(tc.num_hidden_layers)
+        config = DSparkConfig(**fields)
+        draft = cls(config).to(device=target.device, dtype=target.dtype)
+        if copy_target_layers:
+            draft._copy_target_layers(target)
+        return draft.attach(target)
+
+    def _copy_target_layers(self, target: nn.Module) -> None:
+        layers = target.get_decoder().layers
+        top = layers[len(layers) - len(self.layers) :]
+        for mine, theirs in zip(self.layers, top, strict=True):
+            theirs_sd = theirs.state_dict()
+            sd = {k: theirs_sd[k] for k, v in mine.state_dict().items() if k in theirs_sd and theirs_sd[k].shape == v.shape}
+            mine.load_state_dict(sd, strict=False)
+
+    # ----- checkpoints ----------------------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Like ``PreTrainedModel.save_pretrained``, always safetensors; the borrowed target weights are not saved."""
+        kwargs["safe_serialization"] = True
+        return super().save_pretrained(save_directory, *args, **kwargs)

@@ -1,0 +1,62 @@
+"""Per-round statistics of DSpark decoding: τ, per-position conditional acceptance, verify lengths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DSparkStats:
+    """What happened in each verification round of one or more ``generate`` calls.
+
+    ``proposed[i]``: draft tokens verified in round i (ℓ); ``accepted[i]``: how many survived (n ≤ ℓ);
+    ``committed[i]``: tokens committed that round (n + 1 unless generation stopped inside the block).
+    """
+
+    block_size: int
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
+    confidences: list[list[float]] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int, committed: int, confidences: list[float] | None = None) -> None:
+        self.proposed.append(proposed)
+        self.accepted.append(accepted)
+        self.committed.append(committed)
+        if confidences is not None:
+            self.confidences.append(confidences)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.proposed)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per round, bonus/correction token included (the paper's acceptance length)."""
+        return sum(self.committed) / self.rounds if self.rounds else 0.0
+
+    @property
+    def verify_lengths(self) -> list[int]:
+        return list(self.proposed)
+
+    def position_acceptance(self) -> list[float | None]:
+        """Conditional acceptance per position k = 1..γ: P(k accepted | 1..k-1 accepted and k was verified).
+
+        ``None`` where no round reached position k.
+        """
+        out = []
+        for k in range(1, self.block_size + 1):
+            reached = sum(1 for p, a in zip(self.proposed, self.accepted, strict=True) if p >= k and a >= k - 1)
+            passed = sum(1 for p, a in zip(self.proposed, self.accepted, strict=True) if p >= k and a >= k)
+            out.append(passed / reached if reached else None)
+        return out
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "tau": self.tau,
+            "position_acceptance": self.position_acceptance(),
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "committed": self.committed,
+        }
