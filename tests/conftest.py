@@ -1,0 +1,48 @@
+import os
+
+# Triton must see this before anything imports it (transformers and accelerate do): kernels run interpreted on CPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import hf_dspark  # noqa: E402, F401  (enables generate(assistant_model=draft))
+
+
+def tiny_target(arch: str = "llama", vocab_size: int = 96, dtype=torch.float32, seed: int = 0, layers: int = 4, **kw):
+    """A tiny randomly initialised causal LM; ``arch`` is "llama" or "qwen3"."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    common.update(kw)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))
+    else:
+        raise ValueError(arch)
+    # Sharper logits than the default init, so greedy paths are not decided by float noise.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(target, tokenizer) for the embedded SmolLM2-135M-Instruct, loaded once per test session."""
+    from hf_dspark.embedded import load_target
+
+    return load_target()

@@ -1,0 +1,266 @@
+"""DSpark greedy decoding through generate(assistant_model=draft) equals plain greedy decoding, token for token."""
+
+import pytest
+import torch
+from conftest import tiny_target
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+from transformers.generation.streamers import BaseStreamer
+
+import hf_dspark
+from hf_dspark import DSparkDraftModel
+
+
+def _prompt(seed=0, length=9, vocab=96):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (1, length), generator=g)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("head", ["none", "markov", "gated", "rnn"])
+def test_greedy_matches_plain_generate(arch, dtype, head):
+    target = tiny_target(arch, dtype=dtype)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8)
+    for seed in range(3):
+        ids = _prompt(seed, length=5 + 3 * seed)
+        ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+        out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft)
+        assert out.tolist() == ref.tolist()
+        assert sum(draft.stats.committed) == 23  # the first token comes from the prefill
+
+
+class Oracle:
+    """Makes a draft propose the reference continuation, corrupted at chosen block slots.
+
+    Patches the draft's backbone so its base logits put all mass on ``reference[position + 1]`` (or on a wrong
+    token at the corrupted slots); with head "none" these are exactly the proposals.
+    """
+
+    def __init__(self, draft, reference, wrong_slots=()):
+        self.reference, self.wrong_slots, self.vocab = reference[0], set(wrong_slots), draft.config.target_vocab_size
+        original = draft.forward
+
+        def forward(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
+            out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
+            logits = torch.full_like(out.logits, -1e4)
+            for k, pos in enumerate(block_positions[0].tolist()):
+                nxt = pos + 1
+                token = int(self.reference[nxt]) if nxt < len(self.reference) else 3
+                if k in self.wrong_slots:
+                    token = (token + 1) % self.vocab
+                logits[0, k, token] = 1e4
+            out.logits = logits
+            return out
+
+        draft.forward = forward
+
+
+@pytest.mark.parametrize(
+    ("wrong_slots", "expected_accepted"),
+    [((), 4), ((2,), 2), ((0,), 0)],
+    ids=["full-acceptance", "partial-acceptance", "zero-acceptance"],
+)
+def test_controlled_acceptance(wrong_slots, expected_accepted):
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="none")
+    ids = _prompt(1)
+    ref = target.generate(ids, max_new_tokens=21, do_sample=False)
+    Oracle(draft, ref, wrong_slots)
+    out = target.generate(ids, max_new_tokens=21, do_sample=False, assistant_model=draft)
+    assert out.tolist() == ref.tolist()
+    stats = draft.stats
+    # every round but the last (which max_new_tokens may cut short) accepts exactly up to the first wrong slot
+    assert stats.accepted[:-1] == [expected_accepted] * (stats.rounds - 1)
+    assert stats.committed[:-1] == [expected_accepted + 1] * (stats.rounds - 1)
+    assert stats.accepted[-1] <= expected_accepted
+    acc = stats.position_acceptance()
+    if expected_accepted == 4:
+        assert acc == [1.0, 1.0, 1.0, 1.0]
+    elif expected_accepted == 2:
+        assert acc == [1.0, 1.0, 0.0, None]
+    else:
+        assert acc == [0.0, None, None, None]
+
+
+def _eos_inside_block_setup():
+    target = tiny_target("llama")
+    ids = _prompt(2)
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    new = ref[0, ids.shape[1] :].tolist()
+    # pick as EOS a token first produced in the middle of a 5-token round (the oracle accepts 4 + bonus)
+    for i, tok in enumerate(new):
+        if i >= 2 and i % 5 not in (0,) and tok not in new[:i]:
+            return target, ids, tok, i
+    pytest.fail("no suitable EOS candidate")
+
+
+def test_eos_inside_block_stops_exactly_like_plain_generate():
+    target, ids, eos, index = _eos_inside_block_setup()
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    assert ref.shape[1] == ids.shape[1] + index + 1 and ref[0, -1] == eos
+    full = target.generate(ids, max_new_tokens=30, do_sample=False)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="none")
+    Oracle(draft, full)
+    out = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=eos, assistant_model=draft)
+    assert out.tolist() == ref.tolist()
+    assert draft.stats.committed[-1] < 5  # the last round was cut inside its block
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])
+def test_max_new_tokens_inside_block(max_new_tokens):
+    target = tiny_target("qwen3")
+    ids = _prompt(3)
+    full = target.generate(ids, max_new_tokens=40, do_sample=False)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="none")
+    Oracle(draft, full)
+    out = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft)
+    assert out.tolist() == full[:, : ids.shape[1] + max_new_tokens].tolist()
+    # verification never runs past max_length: no round proposes more than the room left
+    assert sum(draft.stats.committed) == max_new_tokens - 1
+
+
+def test_max_length_is_respected():
+    target = tiny_target("llama")
+    ids = _prompt(4)
+    draft = DSparkDraftModel.from_target(target, block_size=4)
+    ref = target.generate(ids, max_length=ids.shape[1] + 10, do_sample=False)
+    out = target.generate(ids, max_length=ids.shape[1] + 10, do_sample=False, assistant_model=draft)
+    assert out.tolist() == ref.tolist()
+
+
+class CountingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_every_committed_token_once_in_order():
+    target = tiny_target("llama")
+    ids = _prompt(5)
+    draft = DSparkDraftModel.from_target(target, block_size=4)
+    streamer = CountingStreamer()
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft, streamer=streamer)
+    assert streamer.ended
+    assert streamer.chunks[0] == ids[0].tolist()  # generate streams the prompt first
+    assert sum(streamer.chunks[1:], []) == out[0, ids.shape[1] :].tolist()
+
+
+def test_text_iterator_streamer():
+    from threading import Thread
+
+    class ToyTokenizer:
+        def decode(self, ids, **kw):
+            return "".join(f"<{i}>" for i in ids)
+
+    target = tiny_target("llama")
+    ids = _prompt(6)
+    draft = DSparkDraftModel.from_target(target, block_size=4)
+    streamer = TextIteratorStreamer(ToyTokenizer(), skip_prompt=True)
+    result = {}
+
+    def run():
+        result["out"] = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft, streamer=streamer)
+
+    thread = Thread(target=run)
+    thread.start()
+    text = "".join(streamer)
+    thread.join()
+    assert text == "".join(f"<{i}>" for i in result["out"][0, ids.shape[1] :].tolist())
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_stopping_criteria_cut_where_plain_generate_stops():
+    target = tiny_target("llama")
+    ids = _prompt(7)
+    full = target.generate(ids, max_new_tokens=30, do_sample=False)
+    stop_token = int(full[0, ids.shape[1] + 9])
+    criteria = StoppingCriteriaList([StopAfterToken(stop_token)])
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False, stopping_criteria=criteria)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="none")
+    Oracle(draft, full)
+    out = target.generate(ids, max_new_tokens=30, do_sample=False, stopping_criteria=criteria, assistant_model=draft)
+    assert out.tolist() == ref.tolist()
+
+
+def test_return_dict_in_generate_scores_and_logits():
+    target = tiny_target("llama")
+    ids = _prompt(8)
+    draft = DSparkDraftModel.from_target(target, block_size=4)
+    kw = dict(max_new_tokens=15, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ref = target.generate(ids, **kw)
+    out = target.generate(ids, assistant_model=draft, **kw)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert len(out.scores) == len(out.logits) == 15
+    for a, b in zip(out.scores, ref.scores, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(out.logits, ref.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_left_padded_single_prompt():
+    target = tiny_target("llama")
+    ids = _prompt(9)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    draft = DSparkDraftModel.from_target(target, block_size=4)
+    ref = target.generate(padded, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    out = target.generate(padded, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft)
+    assert out.tolist() == ref.tolist()
+
+
+def test_repetition_penalty_is_applied_to_draft_and_target_alike():
+    target = tiny_target("qwen3")
+    ids = _prompt(10)
+    draft = DSparkDraftModel.from_target(target, block_size=4)
+    kw = dict(max_new_tokens=20, do_sample=False, repetition_penalty=1.5)
+    assert target.generate(ids, assistant_model=draft, **kw).tolist() == target.generate(ids, **kw).tolist()
+
+
+def test_disable_restores_transformers_and_plain_generate_is_untouched():
+    target = tiny_target("llama")
+    ids = _prompt(11)
+    draft = DSparkDraftModel.from_target(target, block_size=4)
+    with_hook = target.generate(ids, max_new_tokens=10, do_sample=False)
+    hf_dspark.disable()
+    try:
+        assert not hf_dspark.is_enabled()
+        assert target.generate(ids, max_new_tokens=10, do_sample=False).tolist() == with_hook.tolist()
+        # without the hook, transformers treats the draft as an ordinary assistant and fails on it
+        with pytest.raises(Exception):  # noqa: B017
+            target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=draft)
+    finally:
+        hf_dspark.enable()
+    assert hf_dspark.is_enabled()
+    out = target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=draft)
+    assert out.tolist() == with_hook.tolist()
+
+
+def test_draft_context_is_extended_only_with_new_positions(monkeypatch):
+    """Each round projects only the hidden states of newly committed tokens (anchor + accepted)."""
+    target = tiny_target("llama")
+    ids = _prompt(12)
+    draft = DSparkDraftModel.from_target(target, block_size=4)
+    projected = []
+    original = draft.context_key_values
+
+    def spy(features, positions):
+        projected.append(features.shape[1])
+        return original(features, positions)
+
+    monkeypatch.setattr(draft, "context_key_values", spy)
+    target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft)
+    stats = draft.stats
+    assert projected[0] == ids.shape[1]
+    assert projected[1:] == [a + 1 for a in stats.accepted[:-1]]
