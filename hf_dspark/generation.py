@@ -101,7 +101,8 @@ def draft_block(
     device = sequence.device
     anchor = sequence[:, -1]
     if max_tokens == 0:
-        return Proposal(anchor.new_empty(0), None, None)
+        no_conf = None if draft.confidence is None else torch.empty(0, device=device)
+        return Proposal(anchor.new_empty(0), None, no_conf)
     positions = torch.arange(anchor_position, anchor_position + gamma, device=device)[None]
     mask = None
     if not bool(context.valid.all()):
@@ -142,8 +143,6 @@ def _check_supported(generation_config: GenerationConfig, input_ids: torch.Tenso
             f"DSpark generation currently supports batch size 1, got a batch of {input_ids.shape[0]}: "
             "call generate once per prompt."
         )
-    if generation_config.num_beams != 1:
-        raise ValueError("DSpark generation does not support beam search (num_beams must be 1).")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("DSpark generation does not return attentions or hidden states.")
     if model_kwargs.get("inputs_embeds") is not None:

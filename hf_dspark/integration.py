@@ -29,6 +29,8 @@ def _wrap_validate(original):
         draft = generation_mode_kwargs.get("assistant_model")
         if isinstance(draft, DSparkDraftModel):
             draft.check_target(self)
+            if generation_config.num_beams != 1:
+                raise ValueError("DSpark generation does not support beam search (num_beams must be 1).")
             for key in ("assistant_tokenizer",):
                 if key in generation_mode_kwargs:
                     raise ValueError(f"`{key}` is not used by DSpark: the draft shares the target's tokenizer.")

