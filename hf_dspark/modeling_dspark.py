@@ -136,14 +136,16 @@ class DSparkDraftModel(PreTrainedModel):
     config_class = DSparkConfig
     base_model_prefix = "dspark"
     main_input_name = "target_hidden_states"
-    _no_split_modules = ["DraftLayer"]
+    _no_split_modules = ("DraftLayer",)
     _supports_sdpa = True
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
         c = config
         if c.target_vocab_size is None:
-            raise ValueError("DSparkConfig.target_vocab_size is required (build drafts with DSparkDraftModel.from_target)")
+            raise ValueError(
+                "DSparkConfig.target_vocab_size is required (build drafts with DSparkDraftModel.from_target)"
+            )
         self.fc = nn.Linear(c.num_target_features * c.target_hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_draft_layers))
@@ -191,7 +193,9 @@ class DSparkDraftModel(PreTrainedModel):
             "vocab_size": (c.target_vocab_size, tc.vocab_size),
             "num_hidden_layers": (c.target_num_layers, tc.num_hidden_layers),
         }
-        wrong = [f"{k}: draft expects {a}, target has {b}" for k, (a, b) in expected.items() if a is not None and a != b]
+        wrong = [
+            f"{k}: draft expects {a}, target has {b}" for k, (a, b) in expected.items() if a is not None and a != b
+        ]
         if wrong:
             raise ValueError("This DSpark draft was built for another target (" + "; ".join(wrong) + ").")
 
@@ -312,7 +316,11 @@ class DSparkDraftModel(PreTrainedModel):
         top = layers[len(layers) - len(self.layers) :]
         for mine, theirs in zip(self.layers, top, strict=True):
             theirs_sd = theirs.state_dict()
-            sd = {k: theirs_sd[k] for k, v in mine.state_dict().items() if k in theirs_sd and theirs_sd[k].shape == v.shape}
+            sd = {
+                k: theirs_sd[k]
+                for k, v in mine.state_dict().items()
+                if k in theirs_sd and theirs_sd[k].shape == v.shape
+            }
             mine.load_state_dict(sd, strict=False)
 
     # ----- checkpoints ----------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Regenerate the training answers for the shipped SmolLM2 draft (resumable; run it again to continue).
 
-    python recipes/smollm2_prepare.py [--out ~/.cache/hf_dspark/smollm2/train.jsonl] [--threads 1]
+python recipes/smollm2_prepare.py [--out ~/.cache/hf_dspark/smollm2/train.jsonl] [--threads 1]
 """
 
 import argparse

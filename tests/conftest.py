@@ -5,11 +5,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import hf_dspark  # noqa: E402, F401  (enables generate(assistant_model=draft))
+import hf_dspark  # noqa: F401  (enables generate(assistant_model=draft))
 
 
 def tiny_target(arch: str = "llama", vocab_size: int = 96, dtype=torch.float32, seed: int = 0, layers: int = 4, **kw):

@@ -147,7 +147,7 @@ def test_streamer_receives_every_committed_token_once_in_order():
     out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft, streamer=streamer)
     assert streamer.ended
     assert streamer.chunks[0] == ids[0].tolist()  # generate streams the prompt first
-    assert sum(streamer.chunks[1:], []) == out[0, ids.shape[1] :].tolist()
+    assert [t for chunk in streamer.chunks[1:] for t in chunk] == out[0, ids.shape[1] :].tolist()
 
 
 def test_text_iterator_streamer():
@@ -164,7 +164,9 @@ def test_text_iterator_streamer():
     result = {}
 
     def run():
-        result["out"] = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft, streamer=streamer)
+        result["out"] = target.generate(
+            ids, max_new_tokens=12, do_sample=False, assistant_model=draft, streamer=streamer
+        )
 
     thread = Thread(target=run)
     thread.start()

@@ -46,7 +46,9 @@ def test_greedy_equals_plain_greedy_on_ten_eval_prompts(smollm2, smollm2_draft):
 def test_draft_with_layers_copied_from_the_target(smollm2):
     """A draft initialised from the target's top layers (the training start point) is lossless too."""
     target, tokenizer = smollm2
-    draft = DSparkDraftModel.from_target(target, block_size=6, num_draft_layers=2, head_rank=16, copy_target_layers=True)
+    draft = DSparkDraftModel.from_target(
+        target, block_size=6, num_draft_layers=2, head_rank=16, copy_target_layers=True
+    )
     top = target.model.layers[-1].self_attn.q_proj.weight
     assert torch.equal(draft.layers[-1].self_attn.q_proj.weight, top)
     ids = chat_ids(tokenizer, eval_prompts(1)[0])

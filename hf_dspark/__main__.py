@@ -1,0 +1,87 @@
+"""`python -m hf_dspark`: DSpark generation on the embedded default, side by side with plain greedy `generate`.
+
+Prints per-prompt and overall tokens/s, τ and the wall-clock speedup, and checks that both outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from . import embedded
+from .modeling_dspark import DSparkDraftModel
+
+SAMPLE_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May? Please reason step by step.",
+    "Write a Python function `is_palindrome(s: str) -> bool` that ignores case and spaces.",
+]
+
+
+def _prompts(path: str | None, limit: int) -> list[str]:
+    if path is None:
+        return SAMPLE_PROMPTS[:limit]
+    lines = [json.loads(line) for line in Path(path).read_text().split("\n") if line.strip()]
+    return [row["turns"][0] for row in lines[:limit]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hf_dspark", description=__doc__)
+    ap.add_argument("--prompts", help="a {'turns': [...]} JSONL file (default: three built-in prompts)")
+    ap.add_argument("--limit", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if embedded.has_shipped_draft():
+        target, tokenizer, draft = embedded.load()
+        print(f"target: SmolLM2-135M-Instruct (GGUF); draft: {embedded.DRAFT_DIR.name}")
+    else:
+        target, tokenizer = embedded.load_target()
+        torch.manual_seed(0)
+        draft = DSparkDraftModel.from_target(target, block_size=8)
+        print(
+            "NOTE: no trained draft ships with this copy of hf-dspark yet, so this run uses an UNTRAINED draft.\n"
+            "      Its output is still exactly the target's (DSpark is lossless), but expect a slowdown, not a speedup."
+        )
+
+    total = {"plain": 0.0, "dspark": 0.0, "tokens": 0, "rounds": 0, "committed": 0}
+    for i, text in enumerate(_prompts(args.prompts, args.limit)):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+        )["input_ids"]
+        kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+        t0 = time.perf_counter()
+        ref = target.generate(ids, **kw)
+        t1 = time.perf_counter()
+        out = target.generate(ids, assistant_model=draft, **kw)
+        t2 = time.perf_counter()
+        same = out.tolist() == ref.tolist()
+        n = ref.shape[1] - ids.shape[1]
+        total["plain"] += t1 - t0
+        total["dspark"] += t2 - t1
+        total["tokens"] += n
+        total["rounds"] += draft.stats.rounds
+        total["committed"] += sum(draft.stats.committed)
+        print(
+            f"[{i}] {n} tokens  plain {n / (t1 - t0):6.1f} tok/s  dspark {n / (t2 - t1):6.1f} tok/s  "
+            f"tau {draft.stats.tau:4.2f}  speedup {(t1 - t0) / (t2 - t1):4.2f}x  identical={same}"
+        )
+        if not same:
+            raise SystemExit("DSpark output differs from plain greedy output: this is a bug, please report it.")
+    tau = total["committed"] / max(total["rounds"], 1)
+    print(
+        f"overall: plain {total['tokens'] / total['plain']:.1f} tok/s, dspark {total['tokens'] / total['dspark']:.1f} "
+        f"tok/s, tau {tau:.2f}, speedup {total['plain'] / total['dspark']:.2f}x (outputs identical)"
+    )
+
+
+if __name__ == "__main__":
+    main()

