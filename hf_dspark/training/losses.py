@@ -1,0 +1,117 @@
+"""Training forward and the three DSpark losses (DSPARK.md §6), packed over many anchors per sequence.
+
+For each anchor a, the block [x_a, mask, …] predicts x_{a+1..a+γ}; it sees the target's features at positions < a
+(block-sparse mask) and its own γ slots bidirectionally. The sequential head is teacher-forced with the true
+previous tokens. Position weights w_k = exp(-(k-1)/decay), zero past the end of the sequence.
+
+    L = w_ce·CE + w_tv·‖p_d - p_t‖₁ + w_conf·BCE(c, 1 - ½‖p_d - p_t‖₁)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..heads import soft_acceptance_label
+from ..modeling_dspark import DSparkDraftModel
+
+
+@dataclass
+class LossWeights:
+    ce: float = 0.1
+    tv: float = 0.9
+    conf: float = 1.0
+
+
+def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.Tensor:
+    """anchors [R, A], valid [R, L] (context positions that exist) -> mask [R, A·γ, L + A·γ] (True = may attend).
+
+    Slot (i, k) sees context positions < anchors[i] and the γ slots of its own block, nothing else.
+    """
+    R, A = anchors.shape
+    L = valid.shape[1]
+    pos = torch.arange(L, device=anchors.device)
+    ctx = (pos[None, None, :] < anchors[:, :, None]) & valid[:, None, :]  # [R, A, L]
+    ctx = ctx.repeat_interleave(gamma, dim=1)  # [R, A·γ, L]
+    block_id = torch.arange(A, device=anchors.device).repeat_interleave(gamma)
+    own = (block_id[:, None] == block_id[None, :]).expand(R, -1, -1)
+    return torch.cat([ctx, own], dim=-1)
+
+
+class DSparkTrainingModule(nn.Module):
+    """Wraps a draft so one ``forward`` computes all losses (what DDP/FSDP wrap and call)."""
+
+    def __init__(self, draft: DSparkDraftModel, weights: LossWeights | None = None):
+        super().__init__()
+        self.draft = draft
+        self.weights = weights or LossWeights()
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        anchors: torch.Tensor,
+        target_logits: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """features [R, L, m·d_t] (target hidden states), input_ids [R, L], valid [R, L] bool, anchors [R, A]
+        (positions with a next token), target_logits [R, L, V] (the target's next-token logits at each position).
+
+        Returns the weighted ``loss``, its components, and per-position acceptance estimates ``accept`` [γ]
+        (mean soft label) and ``greedy_accept`` [γ] (draft argmax = target argmax).
+        """
+        draft, gamma = self.draft, self.draft.config.block_size
+        R, L = input_ids.shape
+        A = anchors.shape[1]
+        k = torch.arange(gamma, device=input_ids.device)
+        slot_pos = anchors[:, :, None] + k  # [R, A, γ]: slot k sits at position a + k and predicts a + k + 1
+        label_pos = slot_pos + 1
+        in_range = label_pos < L
+        gather = lambda t, idx: torch.gather(t, 1, idx.clamp_max(L - 1).reshape(R, -1))  # noqa: E731
+        labels = gather(input_ids, label_pos).view(R, A, gamma)
+        has_label = in_range & gather(valid.long(), label_pos).view(R, A, gamma).bool()
+        prev = gather(input_ids, slot_pos).view(R, A, gamma)  # x_{a+k}: the anchor, then teacher-forced tokens
+
+        positions = torch.arange(L, device=input_ids.device).expand(R, L)
+        context = draft.context_key_values(features.to(draft.dtype), positions)
+        embeds = draft.embed_block(input_ids.gather(1, anchors)).reshape(R, A * gamma, -1)
+        mask = block_attention_mask(anchors, valid, gamma)
+        out = draft(embeds, slot_pos.reshape(R, -1), context, mask)
+        h = out.hidden_states.view(R, A, gamma, -1)
+        logits = out.logits.view(R, A, gamma, -1).float()
+        feature = None
+        if draft.sequential_head is not None:
+            bias, feature = draft.sequential_head.teacher_forced(prev, h)
+            logits = logits + bias.float()
+        logp_d = F.log_softmax(logits, -1)
+        p_d = logp_d.exp()
+        t_logits = torch.gather(
+            target_logits, 1, slot_pos.clamp_max(L - 1).reshape(R, -1, 1).expand(-1, -1, target_logits.shape[-1])
+        ).view(R, A, gamma, -1)
+        p_t = F.softmax(t_logits.float(), -1)
+
+        decay = draft.config.loss_decay or gamma
+        w = torch.exp(-k.float() / decay) * has_label  # [R, A, γ]
+        norm = w.sum().clamp_min(1e-6)
+        ce = -(logp_d.gather(-1, labels[..., None]).squeeze(-1) * w).sum() / norm
+        tv_per = (p_d - p_t).abs().sum(-1)
+        tv = (tv_per * w).sum() / norm
+        soft = soft_acceptance_label(p_d, p_t).detach()
+        losses = {"ce": ce, "tv": tv}
+        loss = self.weights.ce * ce + self.weights.tv * tv
+        if draft.confidence is not None:
+            c_logit = draft.confidence.logit(h, feature).float()
+            conf = (F.binary_cross_entropy_with_logits(c_logit, soft, reduction="none") * w).sum() / norm
+            losses["conf"] = conf
+            loss = loss + self.weights.conf * conf
+        greedy = (logits.argmax(-1) == t_logits.argmax(-1)).float()
+        per_pos = has_label.float().sum((0, 1)).clamp_min(1)
+        return {
+            "loss": loss,
+            **losses,
+            "accept": ((soft * has_label).sum((0, 1)) / per_pos).detach(),
+            "greedy_accept": ((greedy * has_label).sum((0, 1)) / per_pos).detach(),
+        }

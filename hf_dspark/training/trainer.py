@@ -1,0 +1,172 @@
+"""DSpark draft training on `accelerate`: one code path for one CPU process and for many GPUs (DDP).
+
+Target features are computed online (the target runs frozen, under no_grad, beside the draft). Every step's batch
+and anchors come from a generator seeded by (seed, step, rank), so a resumed run draws exactly what an
+uninterrupted one would. Checkpoints are written to a temporary folder and renamed into place: an interrupted
+save never leaves a corrupt checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..modeling_dspark import DSparkDraftModel
+from .losses import DSparkTrainingModule, LossWeights
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings. ``batch_size`` sequences per process per step, ``anchors`` random blocks each."""
+
+    steps: int = 1000
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    batch_size: int = 1
+    anchors: int = 32
+    max_length: int = 1024
+    grad_clip: float = 1.0
+    seed: int = 0
+    save_every: int = 100
+    log_every: int = 10
+    keep_checkpoints: int = 2
+    loss_weights: LossWeights = field(default_factory=LossWeights)
+    mixed_precision: str = "no"
+
+
+def _lr_lambda(cfg: TrainConfig):
+    warm = max(1, int(cfg.steps * cfg.warmup_ratio))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        t = (step - warm) / max(1, cfg.steps - warm)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+    return f
+
+
+def make_batch(rows: list[dict], cfg: TrainConfig, gen: torch.Generator, pad_id: int = 0):
+    """Pick ``batch_size`` sequences and ``anchors`` anchors in each answer -> (input_ids, valid, anchors)."""
+    idx = torch.randint(len(rows), (cfg.batch_size,), generator=gen).tolist()
+    seqs = [(rows[i]["prompt_ids"] + rows[i]["response_ids"])[: cfg.max_length] for i in idx]
+    starts = [min(len(rows[i]["prompt_ids"]), len(s) - 2) for i, s in zip(idx, seqs, strict=True)]
+    L = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(seqs), L, dtype=torch.bool)
+    anchors = torch.zeros(len(seqs), cfg.anchors, dtype=torch.long)
+    for r, (s, start) in enumerate(zip(seqs, starts, strict=True)):
+        input_ids[r, : len(s)] = torch.tensor(s)
+        valid[r, : len(s)] = True
+        # anchors: the last prompt token onwards (the first block predicts the answer's first token)
+        lo, hi = max(start - 1, 1), len(s) - 1
+        anchors[r] = torch.randint(lo, hi, (cfg.anchors,), generator=gen)
+    return input_ids, valid, anchors
+
+
+@torch.no_grad()
+def target_outputs(target, draft: DSparkDraftModel, input_ids: torch.Tensor, valid: torch.Tensor):
+    """Frozen target forward -> (features [R, L, m·d_t], next-token logits [R, L, V])."""
+    out = target(input_ids=input_ids, attention_mask=valid.long(), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in draft.config.target_layer_ids], dim=-1)
+    return feats, out.logits
+
+
+def _latest_checkpoint(out_dir: Path) -> Path | None:
+    ckpts = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return ckpts[-1] if ckpts else None
+
+
+def train(
+    target,
+    draft: DSparkDraftModel,
+    rows: list[dict],
+    out_dir: str | Path,
+    cfg: TrainConfig,
+    accelerator=None,
+    progress: bool = True,
+    log=print,
+) -> DSparkDraftModel:
+    """Train ``draft`` (attached to the frozen ``target``) on regenerated ``rows``; resume from ``out_dir``.
+
+    Writes ``checkpoint-<step>/`` (accelerate state + ``step.json``) every ``save_every`` steps and the final
+    draft (``save_pretrained``) to ``out_dir/final``. Returns the trained draft.
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision)
+    target.requires_grad_(False).eval()
+    draft.train()
+    module = DSparkTrainingModule(draft, cfg.loss_weights)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+    module, opt, sched = acc.prepare(module, opt, sched)
+    target.to(acc.device)
+
+    start = 0
+    latest = _latest_checkpoint(out_dir)
+    if latest is not None:
+        acc.load_state(str(latest))
+        start = json.loads((latest / "step.json").read_text())["step"]
+        log(f"resumed from {latest} at step {start}")
+
+    bar = tqdm(range(start, cfg.steps), disable=not (progress and acc.is_main_process), desc="train")
+    t0 = time.time()
+    for step in bar:
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + acc.process_index)
+        input_ids, valid, anchors = (t.to(acc.device) for t in make_batch(rows, cfg, gen))
+        feats, t_logits = target_outputs(target, draft, input_ids, valid)
+        with acc.autocast():
+            out = module(feats, input_ids, valid, anchors, t_logits)
+        acc.backward(out["loss"])
+        if cfg.grad_clip:
+            acc.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if acc.is_main_process and (step + 1) % cfg.log_every == 0:
+            rec = {k: round(float(v.detach()), 4) for k, v in out.items() if v.dim() == 0}
+            rec.update(step=step + 1, lr=sched.get_last_lr()[0], s_per_step=round((time.time() - t0) / (step + 1 - start), 3))
+            rec["greedy_accept"] = [round(x, 3) for x in out["greedy_accept"].tolist()]
+            log(json.dumps(rec))
+            bar.set_postfix(loss=rec["loss"])
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            save_checkpoint(acc, out_dir, step + 1, cfg.keep_checkpoints)
+    final = acc.unwrap_model(module).draft
+    if acc.is_main_process:
+        final.save_pretrained(out_dir / "final")
+        (out_dir / "final" / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    acc.wait_for_everyone()
+    return final
+
+
+def save_checkpoint(acc, out_dir: Path, step: int, keep: int) -> Path:
+    """Atomic: save into ``.tmp-checkpoint-<step>`` then rename; prune to the ``keep`` newest."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / f"checkpoint-{step}"
+    tmp = out_dir / f".tmp-checkpoint-{step}"
+    if acc.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    acc.wait_for_everyone()
+    acc.save_state(str(tmp))
+    if acc.is_main_process:
+        (tmp / "step.json").write_text(json.dumps({"step": step}))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        ckpts = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        for old in ckpts[:-keep]:
+            shutil.rmtree(old)
+    acc.wait_for_everyone()
+    return final
