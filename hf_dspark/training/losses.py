@@ -46,6 +46,7 @@ class DSparkTrainingModule(nn.Module):
 
     def __init__(self, draft: DSparkDraftModel, weights: LossWeights | None = None):
         super().__init__()
+        draft.target.requires_grad_(False)  # the target, its embedding and LM head stay frozen
         self.draft = draft
         self.weights = weights or LossWeights()
 

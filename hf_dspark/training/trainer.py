@@ -94,11 +94,13 @@ def train(
     accelerator=None,
     progress: bool = True,
     log=print,
+    stop_at: int | None = None,
 ) -> DSparkDraftModel:
     """Train ``draft`` (attached to the frozen ``target``) on regenerated ``rows``; resume from ``out_dir``.
 
     Writes ``checkpoint-<step>/`` (accelerate state + ``step.json``) every ``save_every`` steps and the final
-    draft (``save_pretrained``) to ``out_dir/final``. Returns the trained draft.
+    draft (``save_pretrained``) to ``out_dir/final``. ``stop_at`` ends this run early at that step (after saving a
+    checkpoint) without changing the schedule, so a later call resumes as if never stopped. Returns the draft.
     """
     from accelerate import Accelerator
     from tqdm.auto import tqdm
@@ -121,7 +123,8 @@ def train(
         start = json.loads((latest / "step.json").read_text())["step"]
         log(f"resumed from {latest} at step {start}")
 
-    bar = tqdm(range(start, cfg.steps), disable=not (progress and acc.is_main_process), desc="train")
+    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    bar = tqdm(range(start, end), disable=not (progress and acc.is_main_process), desc="train")
     t0 = time.time()
     for step in bar:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + acc.process_index)
@@ -137,14 +140,16 @@ def train(
         opt.zero_grad(set_to_none=True)
         if acc.is_main_process and (step + 1) % cfg.log_every == 0:
             rec = {k: round(float(v.detach()), 4) for k, v in out.items() if v.dim() == 0}
-            rec.update(step=step + 1, lr=sched.get_last_lr()[0], s_per_step=round((time.time() - t0) / (step + 1 - start), 3))
+            rec.update(
+                step=step + 1, lr=sched.get_last_lr()[0], s_per_step=round((time.time() - t0) / (step + 1 - start), 3)
+            )
             rec["greedy_accept"] = [round(x, 3) for x in out["greedy_accept"].tolist()]
             log(json.dumps(rec))
             bar.set_postfix(loss=rec["loss"])
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.save_every == 0 or step + 1 == end:
             save_checkpoint(acc, out_dir, step + 1, cfg.keep_checkpoints)
     final = acc.unwrap_model(module).draft
-    if acc.is_main_process:
+    if acc.is_main_process and end == cfg.steps:
         final.save_pretrained(out_dir / "final")
         (out_dir / "final" / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     acc.wait_for_everyone()

@@ -1,0 +1,150 @@
+"""Training: losses go down, the frozen target stays frozen, no leakage from the future, exact resume."""
+
+import pytest
+import torch
+from conftest import tiny_target
+
+from hf_dspark import DSparkDraftModel
+from hf_dspark.training.data import load_dataset, read_prompts
+from hf_dspark.training.losses import DSparkTrainingModule, block_attention_mask
+from hf_dspark.training.trainer import TrainConfig, make_batch, target_outputs, train
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.set_num_threads(1)
+    target = tiny_target("llama", seed=1)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(12):
+        ids = target.generate(torch.randint(3, 96, (1, 6), generator=g), max_new_tokens=30, do_sample=False)[0]
+        rows.append({"id": str(i), "prompt_ids": ids[:6].tolist(), "response_ids": ids[6:].tolist()})
+    return target, rows
+
+
+def _batch(target, draft, rows, seed=0, anchors=6):
+    cfg = TrainConfig(batch_size=2, anchors=anchors)
+    input_ids, valid, anc = make_batch(rows, cfg, torch.Generator().manual_seed(seed))
+    feats, logits = target_outputs(target, draft, input_ids, valid)
+    return feats, input_ids, valid, anc, logits
+
+
+def test_block_attention_mask_rule():
+    mask = block_attention_mask(torch.tensor([[2, 4]]), torch.tensor([[True] * 5 + [False]]), gamma=2)
+    assert mask.shape == (1, 4, 6 + 4)
+    ctx, own = mask[0, :, :6], mask[0, :, 6:]
+    assert ctx[0].tolist() == [True, True, False, False, False, False]  # block at anchor 2 sees positions 0, 1
+    assert ctx[2].tolist() == [True, True, True, True, False, False]  # block at anchor 4 sees 0..3
+    assert own.tolist() == [[True, True, False, False]] * 2 + [[False, False, True, True]] * 2
+
+
+@pytest.mark.parametrize("head", ["none", "markov", "gated", "rnn"])
+def test_one_step_decreases_each_loss_and_target_gets_no_gradient(setup, head):
+    target, rows = setup
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8)
+    module = DSparkTrainingModule(draft)
+    batch = _batch(target, draft, rows)
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    before = module(*batch)
+    before["loss"].backward()
+    assert all(p.grad is None for p in target.parameters())
+    assert not any(p.requires_grad for p in target.parameters())
+    assert all(p.grad is not None for n, p in draft.named_parameters() if "markov_w1" not in n or head != "none")
+    opt.step()
+    opt.zero_grad()
+    after = module(*batch)
+    for key in ["ce", "tv"] + (["conf"] if draft.confidence is not None else []):
+        assert after[key] < before[key], key
+
+
+def test_loss_goes_down_over_a_few_dozen_steps(setup, tmp_path):
+    target, rows = setup
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    module = DSparkTrainingModule(draft)
+    batch = _batch(target, draft, rows, seed=5)
+    first = float(module(*batch)["loss"].detach())
+    train(
+        target,
+        draft,
+        rows,
+        tmp_path,
+        TrainConfig(steps=40, lr=3e-3, anchors=6, batch_size=2),
+        progress=False,
+        log=lambda s: None,
+    )
+    draft.eval()
+    assert float(DSparkTrainingModule(draft)(*batch)["loss"].detach()) < 0.8 * first
+
+
+def test_block_outputs_do_not_see_tokens_after_the_anchor(setup):
+    target, rows = setup
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8).eval()
+    feats, input_ids, valid, _, logits = _batch(target, draft, rows)
+    anchors = torch.tensor([[8, 12], [10, 14]])
+    module = DSparkTrainingModule(draft)
+    ref = module(feats, input_ids, valid, anchors, logits)
+    # change everything after each row's *first* anchor: target features and tokens beyond position a
+    feats2, ids2 = feats.clone(), input_ids.clone()
+    for r, a in enumerate(anchors[:, 0].tolist()):
+        feats2[r, a:] = torch.randn_like(feats2[r, a:])
+        ids2[r, a + 1 :] = torch.randint(3, 96, ids2[r, a + 1 :].shape)
+
+    captured = {}
+    original = draft.forward
+
+    def spy(*args, **kw):
+        out = original(*args, **kw)
+        captured.setdefault("h", []).append(out.hidden_states)
+        return out
+
+    draft.forward = spy
+    module(feats, input_ids, valid, anchors, logits)
+    module(feats2, ids2, valid, anchors, logits)
+    h_ref, h_new = captured["h"]
+    torch.testing.assert_close(h_ref[:, :4], h_new[:, :4])  # the first block of each row is unchanged
+    assert not torch.allclose(h_ref[:, 4:], h_new[:, 4:])  # the later block did see the changes
+    assert ref["loss"].isfinite()
+
+
+def test_resume_gives_identical_parameters(setup, tmp_path):
+    target, rows = setup
+    cfg = TrainConfig(steps=12, lr=3e-3, anchors=4, batch_size=2, save_every=5, seed=7)
+
+    def fresh():
+        torch.manual_seed(0)
+        return DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+
+    straight = train(target, fresh(), rows, tmp_path / "a", cfg, progress=False, log=lambda s: None)
+    # interrupted run: stop at step 7 (checkpoints at 5 and 7), then resume to 12 with a freshly built draft
+    train(target, fresh(), rows, tmp_path / "b", cfg, progress=False, log=lambda s: None, stop_at=7)
+    assert (tmp_path / "b" / "checkpoint-7" / "step.json").is_file()
+    assert not (tmp_path / "b" / "final").exists()
+    resumed = train(target, fresh(), rows, tmp_path / "b", cfg, progress=False, log=lambda s: None)
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list((tmp_path / "b").glob(".tmp-*"))
+
+
+def test_read_prompts_refuses_eval_files(tmp_path):
+    d = tmp_path / "eval"
+    d.mkdir()
+    (d / "x.jsonl").write_text('{"turns": ["hi"]}\n')
+    with pytest.raises(ValueError, match="eval/ folder"):
+        read_prompts(d / "x.jsonl")
+    assert read_prompts(d / "x.jsonl", allow_eval=True)[0].messages == [{"role": "user", "content": "hi"}]
+
+
+def test_read_prompts_formats_and_errors(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"question": "q1"}\n{"messages": [{"role": "user", "content": "m"}]}\n')
+    assert [p.messages[0]["content"] for p in read_prompts(tmp_path / "a.jsonl")] == ["q1", "m"]
+    (tmp_path / "b.json").write_text('[{"instruction": "do", "input": "x"}]')
+    assert read_prompts(tmp_path / "b.json")[0].messages[0]["content"] == "do\n\nx"
+    (tmp_path / "c.jsonl").write_text('{"turns": ["ok"]}\n{"turns": \n')
+    with pytest.raises(ValueError, match=r"c.jsonl:2: not valid JSON"):
+        read_prompts(tmp_path / "c.jsonl")
+
+
+def test_dataset_with_torn_last_line_loads(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"id": "a", "prompt_ids": [1], "response_ids": [2]}\n{"id": "b", "prompt')
+    assert [r["id"] for r in load_dataset(p)] == ["a"]
