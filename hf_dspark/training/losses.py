@@ -41,6 +41,55 @@ def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, gamma: int)
     return torch.cat([ctx, own], dim=-1)
 
 
+@dataclass
+class BlockPredictions:
+    """Teacher-forced draft predictions for A blocks per row: all tensors shaped [R, A, γ, ...]."""
+
+    logits: torch.Tensor  # draft logits after the sequential head, float32 [R, A, γ, V]
+    target_logits: torch.Tensor  # target logits for the same next tokens [R, A, γ, V]
+    labels: torch.Tensor  # the true next tokens [R, A, γ]
+    has_label: torch.Tensor  # False past the end of the sequence [R, A, γ]
+    confidence_logits: torch.Tensor | None  # [R, A, γ]
+
+
+def block_predictions(
+    draft: DSparkDraftModel,
+    features: torch.Tensor,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    anchors: torch.Tensor,
+    target_logits: torch.Tensor,
+) -> BlockPredictions:
+    """features [R, L, m·d_t] (target hidden states), input_ids [R, L], valid [R, L] bool, anchors [R, A]
+    (positions that have a next token), target_logits [R, L, V] (the target's next-token logits at each position).
+    """
+    gamma = draft.config.block_size
+    R, L = input_ids.shape
+    A = anchors.shape[1]
+    k = torch.arange(gamma, device=input_ids.device)
+    slot_pos = anchors[:, :, None] + k  # [R, A, γ]: slot k sits at position a + k and predicts a + k + 1
+    label_pos = slot_pos + 1
+    gather = lambda t, idx: torch.gather(t, 1, idx.clamp_max(L - 1).reshape(R, -1)).view(R, A, gamma)  # noqa: E731
+    labels = gather(input_ids, label_pos)
+    has_label = (label_pos < L) & gather(valid.long(), label_pos).bool()
+    prev = gather(input_ids, slot_pos)  # x_{a+k}: the anchor, then the teacher-forced tokens
+
+    positions = torch.arange(L, device=input_ids.device).expand(R, L)
+    context = draft.context_key_values(features.to(draft.dtype), positions)
+    embeds = draft.embed_block(input_ids.gather(1, anchors)).reshape(R, A * gamma, -1)
+    out = draft(embeds, slot_pos.reshape(R, -1), context, block_attention_mask(anchors, valid, gamma))
+    h = out.hidden_states.view(R, A, gamma, -1)
+    logits = out.logits.view(R, A, gamma, -1).float()
+    feature = None
+    if draft.sequential_head is not None:
+        bias, feature = draft.sequential_head.teacher_forced(prev, h)
+        logits = logits + bias.float()
+    V = target_logits.shape[-1]
+    t_logits = torch.gather(target_logits, 1, slot_pos.clamp_max(L - 1).reshape(R, -1, 1).expand(-1, -1, V))
+    conf = draft.confidence.logit(h, feature).float() if draft.confidence is not None else None
+    return BlockPredictions(logits, t_logits.view(R, A, gamma, V), labels, has_label, conf)
+
+
 class DSparkTrainingModule(nn.Module):
     """Wraps a draft so one ``forward`` computes all losses (what DDP/FSDP wrap and call)."""
 
@@ -50,69 +99,30 @@ class DSparkTrainingModule(nn.Module):
         self.draft = draft
         self.weights = weights or LossWeights()
 
-    def forward(
-        self,
-        features: torch.Tensor,
-        input_ids: torch.Tensor,
-        valid: torch.Tensor,
-        anchors: torch.Tensor,
-        target_logits: torch.Tensor,
-    ) -> dict[str, torch.Tensor]:
-        """features [R, L, m·d_t] (target hidden states), input_ids [R, L], valid [R, L] bool, anchors [R, A]
-        (positions with a next token), target_logits [R, L, V] (the target's next-token logits at each position).
-
-        Returns the weighted ``loss``, its components, and per-position acceptance estimates ``accept`` [γ]
-        (mean soft label) and ``greedy_accept`` [γ] (draft argmax = target argmax).
-        """
-        draft, gamma = self.draft, self.draft.config.block_size
-        R, L = input_ids.shape
-        A = anchors.shape[1]
+    def forward(self, features, input_ids, valid, anchors, target_logits) -> dict[str, torch.Tensor]:
+        """Arguments as :func:`block_predictions`. Returns the weighted ``loss``, its components, and per-position
+        acceptance estimates ``accept`` [γ] (mean soft label) and ``greedy_accept`` [γ] (argmaxes agree)."""
+        pred = block_predictions(self.draft, features, input_ids, valid, anchors, target_logits)
+        gamma = self.draft.config.block_size
+        logp_d = F.log_softmax(pred.logits, -1)
+        p_d, p_t = logp_d.exp(), F.softmax(pred.target_logits.float(), -1)
         k = torch.arange(gamma, device=input_ids.device)
-        slot_pos = anchors[:, :, None] + k  # [R, A, γ]: slot k sits at position a + k and predicts a + k + 1
-        label_pos = slot_pos + 1
-        in_range = label_pos < L
-        gather = lambda t, idx: torch.gather(t, 1, idx.clamp_max(L - 1).reshape(R, -1))  # noqa: E731
-        labels = gather(input_ids, label_pos).view(R, A, gamma)
-        has_label = in_range & gather(valid.long(), label_pos).view(R, A, gamma).bool()
-        prev = gather(input_ids, slot_pos).view(R, A, gamma)  # x_{a+k}: the anchor, then teacher-forced tokens
-
-        positions = torch.arange(L, device=input_ids.device).expand(R, L)
-        context = draft.context_key_values(features.to(draft.dtype), positions)
-        embeds = draft.embed_block(input_ids.gather(1, anchors)).reshape(R, A * gamma, -1)
-        mask = block_attention_mask(anchors, valid, gamma)
-        out = draft(embeds, slot_pos.reshape(R, -1), context, mask)
-        h = out.hidden_states.view(R, A, gamma, -1)
-        logits = out.logits.view(R, A, gamma, -1).float()
-        feature = None
-        if draft.sequential_head is not None:
-            bias, feature = draft.sequential_head.teacher_forced(prev, h)
-            logits = logits + bias.float()
-        logp_d = F.log_softmax(logits, -1)
-        p_d = logp_d.exp()
-        t_logits = torch.gather(
-            target_logits, 1, slot_pos.clamp_max(L - 1).reshape(R, -1, 1).expand(-1, -1, target_logits.shape[-1])
-        ).view(R, A, gamma, -1)
-        p_t = F.softmax(t_logits.float(), -1)
-
-        decay = draft.config.loss_decay or gamma
-        w = torch.exp(-k.float() / decay) * has_label  # [R, A, γ]
+        w = torch.exp(-k.float() / (self.draft.config.loss_decay or gamma)) * pred.has_label  # [R, A, γ]
         norm = w.sum().clamp_min(1e-6)
-        ce = -(logp_d.gather(-1, labels[..., None]).squeeze(-1) * w).sum() / norm
-        tv_per = (p_d - p_t).abs().sum(-1)
-        tv = (tv_per * w).sum() / norm
+        ce = -(logp_d.gather(-1, pred.labels[..., None]).squeeze(-1) * w).sum() / norm
+        tv = ((p_d - p_t).abs().sum(-1) * w).sum() / norm
         soft = soft_acceptance_label(p_d, p_t).detach()
         losses = {"ce": ce, "tv": tv}
         loss = self.weights.ce * ce + self.weights.tv * tv
-        if draft.confidence is not None:
-            c_logit = draft.confidence.logit(h, feature).float()
-            conf = (F.binary_cross_entropy_with_logits(c_logit, soft, reduction="none") * w).sum() / norm
-            losses["conf"] = conf
-            loss = loss + self.weights.conf * conf
-        greedy = (logits.argmax(-1) == t_logits.argmax(-1)).float()
-        per_pos = has_label.float().sum((0, 1)).clamp_min(1)
+        if pred.confidence_logits is not None:
+            bce = F.binary_cross_entropy_with_logits(pred.confidence_logits, soft, reduction="none")
+            losses["conf"] = (bce * w).sum() / norm
+            loss = loss + self.weights.conf * losses["conf"]
+        greedy = (pred.logits.argmax(-1) == pred.target_logits.argmax(-1)).float()
+        per_pos = pred.has_label.float().sum((0, 1)).clamp_min(1)
         return {
             "loss": loss,
             **losses,
-            "accept": ((soft * has_label).sum((0, 1)) / per_pos).detach(),
-            "greedy_accept": ((greedy * has_label).sum((0, 1)) / per_pos).detach(),
+            "accept": ((soft * pred.has_label).sum((0, 1)) / per_pos).detach(),
+            "greedy_accept": ((greedy * pred.has_label).sum((0, 1)) / per_pos).detach(),
         }

@@ -1,0 +1,54 @@
+"""STS calibration: lowers ECE on over-confident scores, keeps the ranking; ECE and AUC are right by hand."""
+
+import pytest
+import torch
+
+from hf_dspark.calibration import calibration_report, ece, roc_auc, sequential_temperature_scaling, survival
+
+
+def test_ece_by_hand():
+    p = torch.tensor([0.1, 0.1, 0.9, 0.9])
+    y = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    # bin of 0.1: mean p 0.1, mean y 0.5 -> 0.4 · ½; bin of 0.9: |0.9 - 1| · ½
+    assert ece(p, y, bins=10) == pytest.approx(0.5 * 0.4 + 0.5 * 0.1)
+
+
+def test_roc_auc_by_hand():
+    assert roc_auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])) == pytest.approx(0.75)
+    assert roc_auc(torch.tensor([0.5, 0.5]), torch.tensor([0, 1])) == pytest.approx(0.5)
+    assert roc_auc(torch.tensor([0.5, 0.6]), torch.tensor([1, 1])) is None
+
+
+def synthetic(n=20000, gamma=4, seed=0):
+    """True per-position acceptance q = σ(z); the head reports an over-confident logit 3·z."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, gamma, generator=g)
+    accepted = (torch.rand(n, gamma, generator=g) < torch.sigmoid(z)).float()
+    return 3 * z, accepted
+
+
+def test_sts_lowers_ece_and_keeps_ranking():
+    logits, accepted = synthetic()
+    temps = sequential_temperature_scaling(logits, accepted)
+    assert all(t > 1 for t in temps)  # over-confident heads get cooled
+    report = calibration_report(logits, accepted, temps)
+    assert report["after"]["mean_ece"] < 0.5 * report["before"]["mean_ece"]
+    assert report["after"]["mean_ece"] < 0.02
+    # monotone: per position, the order of calibrated confidences equals the order of raw ones
+    raw, cal = torch.sigmoid(logits.double()), torch.sigmoid(logits.double() / torch.tensor(temps).double())
+    for k in range(logits.shape[1]):
+        ordered = raw[cal[:, k].argsort(), k]
+        assert bool((ordered[1:] >= ordered[:-1]).all())
+    assert report["after"]["roc_auc"] == report["before"]["roc_auc"]
+
+
+def test_sts_is_sequential_on_the_prefix_product():
+    logits, accepted = synthetic(gamma=3, seed=1)
+    temps = sequential_temperature_scaling(logits, accepted)
+    a = survival(logits, temps)
+    torch.testing.assert_close(a[:, 1], torch.sigmoid(logits[:, 0] / temps[0]) * torch.sigmoid(logits[:, 1] / temps[1]))
+
+
+def test_sts_shape_error():
+    with pytest.raises(ValueError, match=r"must both be \[N, γ\]"):
+        sequential_temperature_scaling(torch.zeros(5, 3), torch.zeros(5, 4))
