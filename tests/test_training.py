@@ -148,3 +148,97 @@ def test_dataset_with_torn_last_line_loads(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"id": "a", "prompt_ids": [1], "response_ids": [2]}\n{"id": "b", "prompt')
     assert [r["id"] for r in load_dataset(p)] == ["a"]
+
+
+def test_two_process_training_keeps_ranks_identical(tmp_path):
+    """A real 2-process CPU run (accelerate launch, DDP over gloo): both ranks train and end with equal params."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "29518",
+        str(here / "mp_train.py"),
+        str(tmp_path),
+    ]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(here), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert ranks[0]["moved"] > 0  # training really updated the draft
+    assert ranks[0]["params"] == ranks[1]["params"]
+
+
+def test_cli_train_then_calibrate(setup, tmp_path):
+    import json
+
+    from hf_dspark.cli import main
+
+    target, rows = setup
+    target.save_pretrained(tmp_path / "target")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    main(
+        [
+            "train",
+            "--target",
+            str(tmp_path / "target"),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--steps",
+            "6",
+            "--layers",
+            "1",
+            "--rank",
+            "8",
+            "--block-size",
+            "4",
+            "--anchors",
+            "4",
+            "--save-every",
+            "3",
+        ]
+    )
+    assert (out / "final" / "model.safetensors").is_file() and (out / "checkpoint-6").is_dir()
+    main(
+        [
+            "calibrate",
+            "--target",
+            str(tmp_path / "target"),
+            "--draft",
+            str(out / "final"),
+            "--data",
+            str(data),
+            "--blocks",
+            "40",
+        ]
+    )
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert len(cfg["sts_temperatures"]) == 4 and all(t > 0 for t in cfg["sts_temperatures"])
+    report = json.loads((out / "final" / "calibration.json").read_text())
+    assert report["blocks"] == 40 and len(report["after"]["ece"]) == 4
+    # the calibrated draft still loads and decodes losslessly
+    draft = DSparkDraftModel.from_pretrained(out / "final")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    kw = dict(max_new_tokens=10, do_sample=False)
+    assert target.generate(ids, assistant_model=draft, **kw).tolist() == target.generate(ids, **kw).tolist()

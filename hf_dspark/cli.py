@@ -1,0 +1,150 @@
+"""`hf-dspark {prepare,train,calibrate}`: thin commands over the Python API.
+
+``--target embedded`` means the offline SmolLM2-135M-Instruct; anything else is passed to
+``AutoModelForCausalLM.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def load_target(spec: str, dtype: str = "float32", with_tokenizer: bool = True):
+    """(model, tokenizer or None) for ``spec``: ``embedded`` or a Hub id / local folder."""
+    torch_dtype = getattr(torch, dtype)
+    if spec == "embedded":
+        from .embedded import load_target as load_embedded
+
+        return load_embedded(torch_dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype).eval().requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(spec, padding_side="left") if with_tokenizer else None
+
+
+def cmd_prepare(args) -> None:
+    from .training.data import mix_prompts, read_prompts, regenerate
+
+    sources = {Path(p).stem: read_prompts(p, allow_eval=args.allow_eval) for p in args.prompts}
+    counts = {name: args.limit or len(ps) for name, ps in sources.items()}
+    prompts = mix_prompts(sources, counts, seed=args.seed)
+    target, tokenizer = load_target(args.target, args.dtype)
+    regenerate(
+        target,
+        tokenizer,
+        prompts,
+        args.out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        do_sample=not args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+    )
+
+
+def cmd_train(args) -> None:
+    from .modeling_dspark import DSparkDraftModel
+    from .training.data import load_dataset
+    from .training.losses import LossWeights
+    from .training.trainer import TrainConfig, train
+
+    rows = load_dataset(args.data)
+    if not rows:
+        raise SystemExit(f"no training rows in {args.data}: run `hf-dspark prepare` first")
+    target, _ = load_target(args.target, args.dtype, with_tokenizer=False)
+    torch.manual_seed(args.seed)
+    draft = DSparkDraftModel.from_target(
+        target,
+        block_size=args.block_size,
+        num_draft_layers=args.layers,
+        head_type=args.head,
+        head_rank=args.rank,
+        copy_target_layers=args.copy_target_layers,
+    )
+    cfg = TrainConfig(
+        steps=args.steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        anchors=args.anchors,
+        max_length=args.max_length,
+        seed=args.seed,
+        save_every=args.save_every,
+        mixed_precision=args.mixed_precision,
+        loss_weights=LossWeights(*args.loss_weights),
+    )
+    train(target, draft, rows, args.out, cfg, stop_at=args.stop_at)
+
+
+def cmd_calibrate(args) -> None:
+    from .training.calibrate import calibrate_draft
+    from .training.data import load_dataset
+
+    target, _ = load_target(args.target, args.dtype, with_tokenizer=False)
+    report = calibrate_draft(target, args.draft, load_dataset(args.data), blocks=args.blocks, seed=args.seed)
+    print(json.dumps({k: report[k] for k in ("before", "after", "temperatures", "blocks")}, indent=2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hf-dspark", description="DSpark drafts: data, training, calibration")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--target", default="embedded", help="'embedded' (SmolLM2) or a Hub id / local folder")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("prepare", help="regenerate answers to prompts with the target (resumable)")
+    common(p)
+    p.add_argument("prompts", nargs="+", help="prompt files (JSONL turns/messages/question, or Code Alpaca JSON)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--limit", type=int, default=None, help="prompts per file")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--allow-eval", action="store_true", help="accept files under eval/ (never for training)")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("train", help="train a draft (accelerate; resumable from --out)")
+    common(p)
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--head", default="markov", choices=["none", "markov", "gated", "rnn"])
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--rank", type=int, default=256)
+    p.add_argument("--copy-target-layers", action="store_true")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--stop-at", type=int, default=None, help="end this run at that step (resume later)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--anchors", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
+    p.add_argument("--loss-weights", type=float, nargs=3, default=[0.1, 0.9, 1.0], metavar=("CE", "TV", "CONF"))
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("calibrate", help="STS: fit per-position temperatures, store them in the draft's config")
+    common(p)
+    p.add_argument("--draft", required=True, help="a draft folder (config.json + model.safetensors)")
+    p.add_argument("--data", required=True, help="held-out regenerated rows (JSONL from `prepare`)")
+    p.add_argument("--blocks", type=int, default=2000)
+    p.set_defaults(func=cmd_calibrate)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
