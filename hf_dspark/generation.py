@@ -17,6 +17,7 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from .kernels import fused_head_step, fused_temperature, use_kernels
 from .modeling_dspark import DSparkDraftModel
 from .stats import DSparkStats
 from .verify import greedy_accept, rejection_sample
@@ -86,6 +87,33 @@ def _target_forward(target, ids, positions, attention_mask, cache):
     )
 
 
+def _torch_slot(draft, logits, h_k, prev, state, ids, logits_processor, do_sample, conf_temperature):
+    """One slot on the PyTorch path: head bias, confidence, the target's processors, argmax or sample.
+    -> (token [1], processed probs [1, V] or None, confidence [1] or None, head state)."""
+    head, conf_head, feature, conf = draft.sequential_head, draft.confidence, None, None
+    if head is not None:
+        bias, feature, state = head.step(prev, h_k, state)
+        logits = logits + bias
+    if conf_head is not None:
+        conf = conf_head.calibrated(conf_head.logit(h_k, feature), conf_temperature)
+    scores = _process(
+        logits_processor, ids, logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype)
+    )
+    if not do_sample:
+        return scores.argmax(-1), None, conf, state
+    p = _probs(scores)
+    return torch.multinomial(p, 1)[:, 0], p, conf, state
+
+
+def _kernel_slot(draft, logits, h_k, prev, state, ids, logits_processor, do_sample, conf_temperature):
+    """The same slot through the fused Triton step (temperature is the only processing it fuses)."""
+    temperature = fused_temperature(logits_processor)
+    _, token, p, conf, state = fused_head_step(
+        draft, logits, h_k, prev, state, temperature, do_sample, conf_temperature
+    )
+    return token, p, conf, state
+
+
 @torch.no_grad()
 def draft_block(
     draft: DSparkDraftModel,
@@ -113,27 +141,20 @@ def draft_block(
         mask = torch.cat([context.valid, torch.ones(1, gamma, dtype=torch.bool, device=device)], dim=1)
         mask = mask[:, None, :].expand(1, gamma, -1)
     out = draft(draft.embed_block(anchor), positions, list(zip(context.keys, context.values, strict=True)), mask)
-    head, conf_head = draft.sequential_head, draft.confidence
     temps = draft.config.sts_temperatures
+    step = _kernel_slot if use_kernels(draft, device, logits_processor) else _torch_slot
     tokens, probs, confs = [], [], []
     prev, state, ids = anchor, None, sequence
     for k in range(max_tokens):
-        logits, h_k, feature = out.logits[:, k], out.hidden_states[:, k], None
-        if head is not None:
-            bias, feature, state = head.step(prev, h_k, state)
-            logits = logits + bias
-        if conf_head is not None:
-            confs.append(conf_head.calibrated(conf_head.logit(h_k, feature), temps[k] if temps else None))
-        scores = _process(
-            logits_processor, ids, logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype)
-        )
-        if do_sample:
-            p = _probs(scores)
-            token = torch.multinomial(p, 1)[:, 0]
-            probs.append(p)
-        else:
-            token = scores.argmax(-1)
+        token, p, conf, state = step(
+            draft, out.logits[:, k], out.hidden_states[:, k], prev, state, ids, logits_processor, do_sample,
+            temps[k] if temps else None,
+        )  # fmt: skip
         tokens.append(token)
+        if p is not None:
+            probs.append(p)
+        if conf is not None:
+            confs.append(conf)
         prev = token
         ids = torch.cat([ids, token[:, None]], dim=1)
     return Proposal(

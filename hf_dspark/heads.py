@@ -13,7 +13,6 @@ at once from known previous tokens (training, calibration).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .configuration_dspark import DSparkConfig
@@ -62,14 +61,19 @@ class RNNHead(nn.Module):
         self.rnn_cell = nn.Linear(2 * rank + hidden_size, 3 * rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
 
-    def step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None):
+    def code_step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None):
+        """-> (code tanh(W_o z_k) [R, r], feature W1[x_{k-1}] [R, r], new state [R, r]); the bias is code · W2ᵀ."""
         e = self.markov_w1(prev)
         if state is None:
             state = e.new_zeros(*e.shape[:-1], self.rank)
         gate, cand, out = self.rnn_cell(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(cand)
-        return self.markov_w2(torch.tanh(out)), e, state
+        return torch.tanh(out), e, state
+
+    def step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None):
+        code, e, state = self.code_step(prev, h, state)
+        return self.markov_w2(code), e, state
 
     def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor):
         state, biases, feats = None, [], []
@@ -112,7 +116,3 @@ class ConfidenceHead(nn.Module):
 def soft_acceptance_label(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     """c*_k = 1 - ½‖p_d - p_t‖₁ = Σ_v min(p_d, p_t): the exact one-step acceptance probability. [..., V] -> [...]."""
     return torch.minimum(draft_probs, target_probs).sum(-1).clamp(0, 1)
-
-
-def log_softmax_fp32(logits: torch.Tensor) -> torch.Tensor:
-    return F.log_softmax(logits.float(), dim=-1)

@@ -1,0 +1,89 @@
+"""Dispatch between the Triton head kernels (``dspark_heads``, from ``kernels/``) and the PyTorch path.
+
+``HF_DSPARK_KERNELS`` chooses: ``auto`` (default: Triton for CUDA tensors, PyTorch elsewhere), ``triton`` (force
+the kernels, e.g. on CPU under ``TRITON_INTERPRET=1``), ``torch`` (never use them). The fused step serves the
+Markov and RNN heads when the logits processing is at most a temperature (top-k/top-p and other processors run
+on the PyTorch path).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
+
+from .heads import MarkovHead, RNNHead
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def backend() -> str:
+    choice = os.environ.get("HF_DSPARK_KERNELS", "auto").lower()
+    if choice not in BACKENDS:
+        raise ValueError(f"HF_DSPARK_KERNELS must be one of {BACKENDS}, got {choice!r}")
+    return choice
+
+
+def fused_temperature(logits_processor: LogitsProcessorList | None) -> float | None:
+    """The temperature if the processors are at most one temperature warper, else ``None`` (not fusable)."""
+    procs = list(logits_processor or [])
+    if not procs:
+        return 1.0
+    if len(procs) == 1 and type(procs[0]) is TemperatureLogitsWarper:
+        return float(procs[0].temperature)
+    return None
+
+
+def use_kernels(draft, device: torch.device, logits_processor) -> bool:
+    """Whether draft_block should run the fused Triton step for this call."""
+    choice = backend()
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return False
+    head = draft.sequential_head
+    if type(head) not in (MarkovHead, RNNHead) or fused_temperature(logits_processor) is None:
+        return False
+    try:
+        import dspark_heads  # noqa: F401
+    except ImportError:  # a wheel installed without the kernels package
+        return False
+    return True
+
+
+def fused_head_step(draft, base_logits, hidden, prev, state, temperature, sample, conf_temperature):
+    """One head step through the kernel: -> (scores [R, V] fp32 processed, tokens [R], probs [R, V] | None,
+    confidence [R] | None, state)."""
+    from dspark_heads import lowrank_step
+
+    head, conf_head = draft.sequential_head, draft.confidence
+    seed = int(torch.randint(2**31 - 1, (1,)).item()) if sample else 0
+    if isinstance(head, RNNHead):
+        code, feature, state = head.code_step(prev, hidden, state)
+        scores, tokens, lse, _ = lowrank_step(
+            base_logits, head.markov_w2.weight, code=code, temperature=temperature, sample=sample, seed=seed
+        )
+        conf = None
+        if conf_head is not None:
+            conf = conf_head.calibrated(conf_head.logit(hidden, feature), conf_temperature)
+    else:
+        kw = {}
+        if conf_head is not None:
+            lin = conf_head.confidence_head
+            kw = dict(
+                hidden=hidden,
+                conf_weight=lin.weight[0],
+                conf_bias=float(lin.bias[0]),
+                conf_temperature=conf_temperature or 1.0,
+            )
+        scores, tokens, lse, conf = lowrank_step(
+            base_logits,
+            head.markov_w2.weight,
+            prev=prev,
+            w1=head.markov_w1.weight,
+            temperature=temperature,
+            sample=sample,
+            seed=seed,
+            **kw,
+        )
+    probs = torch.exp(scores - lse[:, None]) if sample else None
+    return scores, tokens, probs, conf, state
