@@ -132,3 +132,15 @@ def test_backend_switch_is_validated(monkeypatch):
     monkeypatch.setenv("HF_DSPARK_KERNELS", "cuda-please")
     with pytest.raises(ValueError, match="HF_DSPARK_KERNELS must be one of"):
         backend()
+
+
+def test_rank_and_hidden_larger_than_one_chunk():
+    """r = 200 runs the rank loop in 4 chunks of 64 (the last one masked); d = 1500 runs the hidden loop twice."""
+    kw = _inputs(3, 700, 200, torch.float32, d=1500, seed=3)
+    got = lowrank_step(**kw, block_v=256)
+    ref = lowrank_step_reference(**kw)
+    for a, b in zip(got, ref, strict=True):
+        if a.dtype == torch.int64:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -56,22 +56,23 @@ def _lowrank_step_kernel(
 ):
     row = tl.program_id(0)
     tile = tl.program_id(1)
-    offs_r = tl.arange(0, BLOCK_R)
-    rmask = offs_r < RANK
-    if GATHER:
-        prev = tl.load(prev_ptr + row).to(tl.int64)
-        code = tl.load(W1_ptr + prev * RANK + offs_r, mask=rmask, other=0.0).to(tl.float32)
-    else:
-        code = tl.load(code_ptr + row * RANK + offs_r, mask=rmask, other=0.0).to(tl.float32)
-
     offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = offs_v < V
-    w2 = tl.load(
-        W2_ptr + offs_v.to(tl.int64)[:, None] * RANK + offs_r[None, :],
-        mask=vmask[:, None] & rmask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    bias = tl.sum(w2 * code[None, :], axis=1)
+    if GATHER:
+        code_row = W1_ptr + tl.load(prev_ptr + row).to(tl.int64) * RANK
+    else:
+        code_row = code_ptr + row.to(tl.int64) * RANK
+    bias = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for r0 in range(0, RANK, BLOCK_R):  # rank in chunks: the [BLOCK_V, BLOCK_R] tile stays in registers
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        rmask = offs_r < RANK
+        code = tl.load(code_row + offs_r, mask=rmask, other=0.0).to(tl.float32)
+        w2 = tl.load(
+            W2_ptr + offs_v.to(tl.int64)[:, None] * RANK + offs_r[None, :],
+            mask=vmask[:, None] & rmask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        bias += tl.sum(w2 * code[None, :], axis=1)
     u = tl.load(U_ptr + row * stride_u + offs_v, mask=vmask, other=0.0).to(tl.float32)
     x = tl.where(vmask, (u + bias) * inv_temp, float("-inf"))
     tl.store(out_ptr + row.to(tl.int64) * V + offs_v, x, mask=vmask)
@@ -115,12 +116,19 @@ def _lowrank_step_kernel(
         token = tl.sum(tl.where(offs_t == which, idxs, 0.0), axis=0)
         tl.store(tok_ptr + row, token.to(tl.int64))
         if HAS_CONF:
-            offs_d = tl.arange(0, BLOCK_D)
-            dmask = offs_d < D
-            h = tl.load(H_ptr + row * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            w_h = tl.load(Wc_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            w_e = tl.load(Wc_ptr + D + offs_r, mask=rmask, other=0.0).to(tl.float32)
-            logit = tl.sum(h * w_h, axis=0) + tl.sum(code * w_e, axis=0) + conf_bias
+            logit = conf_bias
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                dmask = offs_d < D
+                h = tl.load(H_ptr + row * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+                w_h = tl.load(Wc_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+                logit += tl.sum(h * w_h, axis=0)
+            for r0 in range(0, RANK, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                rmask = offs_r < RANK
+                code = tl.load(code_row + offs_r, mask=rmask, other=0.0).to(tl.float32)
+                w_e = tl.load(Wc_ptr + D + offs_r, mask=rmask, other=0.0).to(tl.float32)
+                logit += tl.sum(code * w_e, axis=0)
             tl.store(conf_ptr + row, tl.sigmoid(logit * conf_inv_temp))
 
 
@@ -146,7 +154,7 @@ def lowrank_step(
     conf_weight: torch.Tensor | None = None,
     conf_bias: float = 0.0,
     conf_temperature: float = 1.0,
-    block_v: int = 1024,
+    block_v: int = 128,
 ):
     """Run one fused head step. Give either (``prev``, ``w1``) for the Markov head or ``code`` [R, r].
 
@@ -214,8 +222,8 @@ def lowrank_step(
         d,
         n_tiles,
         BLOCK_V=block_v,
-        BLOCK_R=triton.next_power_of_2(rank),
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_R=min(64, triton.next_power_of_2(rank)),
+        BLOCK_D=min(1024, triton.next_power_of_2(d)),
         BLOCK_T=max(triton.next_power_of_2(n_tiles), 2),
         GATHER=gather,
         SAMPLE=sample,
