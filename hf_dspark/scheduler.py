@@ -1,0 +1,222 @@
+"""Hardware-aware verify lengths (DSPARK.md §5): the SPS profile and Algorithm 1.
+
+``SPSProfile`` maps B, the number of tokens the target processes in one verification step, to steps per second.
+``plan_verify_lengths`` admits draft tokens in order of prefix survival a_{r,j} = Π_{i≤j} c_{r,i} while the
+expected throughput Θ = τ·SPS(B) keeps rising, and stops at the first non-improvement. The early stop is what
+keeps it lossless: whether x_j is verified never depends on c_{j+1}, which depends on x_j itself.
+``plan_capacity`` + ``fill_top_k`` are the asynchronous production variant: the capacity K comes from
+confidences two rounds old (a global search is safe there), the current candidates fill the K slots by current
+survival.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+CACHE_DIR = Path(os.environ.get("HF_DSPARK_CACHE", "~/.cache/hf_dspark")).expanduser() / "sps"
+
+
+class SPSProfile:
+    """Verification steps per second as a function of B (tokens processed in one target step).
+
+    Build it from a measured/handwritten table (``{B: steps_per_second}``, linear interpolation between points;
+    beyond the largest B the step time grows in proportion to B), from a callable, or with :meth:`measure`.
+    Tables must be non-empty, positive and non-increasing in B (more tokens never make a step faster); a table
+    that is not raises ``ValueError`` naming the offending entry.
+    """
+
+    def __init__(self, table: dict[int, float] | None = None, fn: Callable[[int], float] | None = None):
+        if (table is None) == (fn is None):
+            raise ValueError("give exactly one of table or fn")
+        self.fn = fn
+        self.table: dict[int, float] = {}
+        if table is not None:
+            if not table:
+                raise ValueError("SPS table is empty")
+            items = sorted((int(b), float(s)) for b, s in table.items())
+            for b, s in items:
+                if b < 1:
+                    raise ValueError(f"SPS table has B = {b}; B counts tokens and must be >= 1")
+                if not s > 0 or s != s or s == float("inf"):
+                    raise ValueError(f"SPS table has a non-positive or non-finite rate {s} at B = {b}")
+            for (b0, s0), (b1, s1) in itertools.pairwise(items):
+                if s1 > s0:
+                    raise ValueError(f"SPS table is not non-increasing in B: SPS({b1}) = {s1} > SPS({b0}) = {s0}")
+            self.table = dict(items)
+
+    @classmethod
+    def from_table(cls, table: dict[int, float]) -> SPSProfile:
+        return cls(table=table)
+
+    @classmethod
+    def from_callable(cls, fn: Callable[[int], float]) -> SPSProfile:
+        return cls(fn=fn)
+
+    def __call__(self, B: int) -> float:
+        if B < 1:
+            raise ValueError(f"B must be >= 1, got {B}")
+        if self.fn is not None:
+            value = float(self.fn(B))
+            if not value > 0:
+                raise ValueError(f"SPS callable returned a non-positive rate {value} at B = {B}")
+            return value
+        keys = list(self.table)
+        if B <= keys[0]:
+            return self.table[keys[0]]
+        if B >= keys[-1]:
+            return self.table[keys[-1]] * keys[-1] / B
+        for b0, b1 in itertools.pairwise(keys):
+            if b0 <= B <= b1:
+                t = (B - b0) / (b1 - b0)
+                return self.table[b0] + t * (self.table[b1] - self.table[b0])
+        raise AssertionError("unreachable")
+
+    # ----- measuring on the actual engine -----------------------------------------------------------------
+
+    @staticmethod
+    def cache_key(target, device: torch.device, dtype: torch.dtype, grid: list[int], context: int) -> tuple[str, dict]:
+        import transformers
+
+        ident = {
+            "target": getattr(target.config, "_name_or_path", "") or target.config.model_type,
+            "config": hashlib.sha1(target.config.to_json_string().encode()).hexdigest()[:12],
+            "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+            "dtype": str(dtype),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "grid": grid,
+            "context": context,
+        }
+        return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20], ident
+
+    @classmethod
+    def measure(
+        cls,
+        target,
+        grid: list[int] | None = None,
+        context: int = 256,
+        reps: int = 5,
+        cache_dir: str | Path | None = CACHE_DIR,
+    ) -> SPSProfile:
+        """Time the target verifying B tokens after a ``context``-token cache, for B in ``grid`` (median of
+        ``reps``), on its own device and dtype. Cached as JSON per (target, device, dtype, versions, grid);
+        a corrupt or mismatched cache file is rebuilt. The measured table is made non-increasing (running min),
+        since timing noise must not make the scheduler believe a longer step is faster."""
+        from transformers import DynamicCache
+
+        grid = sorted(set(grid or [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17]))
+        key, ident = cls.cache_key(target, target.device, target.dtype, grid, context)
+        path = Path(cache_dir) / f"{key}.json" if cache_dir is not None else None
+        if path is not None and path.is_file():
+            try:
+                saved = json.loads(path.read_text())
+                if saved["ident"] == ident:
+                    return cls.from_table({int(b): s for b, s in saved["table"].items()})
+            except (ValueError, KeyError, TypeError):
+                pass  # corrupt or stale: measure again and overwrite
+        vocab = target.config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (1, context + max(grid)), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(target.device)
+        cache = DynamicCache()
+        table = {}
+        with torch.no_grad():
+            target(input_ids=ids[:, :context], cache=cache, use_cache=True)
+            for B in grid:
+                times = []
+                for _ in range(reps + 1):
+                    if target.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    target(input_ids=ids[:, context : context + B], cache=cache, use_cache=True)
+                    if target.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    cache.crop(-B)
+                table[B] = 1.0 / statistics.median(times[1:])
+        running = float("inf")
+        for B in grid:
+            running = min(running, table[B])
+            table[B] = running
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"ident": ident, "table": table}))
+            tmp.replace(path)
+        return cls.from_table(table)
+
+
+def _check_confidences(confidences: torch.Tensor) -> torch.Tensor:
+    if not isinstance(confidences, torch.Tensor):
+        confidences = torch.as_tensor(confidences, dtype=torch.float64)
+    if confidences.dim() != 2:
+        raise ValueError(f"confidences must be [R, γ], got shape {tuple(confidences.shape)}")
+    if not torch.isfinite(confidences).all() or (confidences < 0).any() or (confidences > 1).any():
+        raise ValueError("confidences must be probabilities in [0, 1]")
+    return confidences.double()
+
+
+def _sorted_candidates(confidences: torch.Tensor) -> list[tuple[float, int, int]]:
+    """All (a_{r,j}, r, j) with a > 0, by survival descending (ties: earlier j, then lower r, so prefixes close)."""
+    survival = confidences.cumprod(-1)
+    cands = [(float(survival[r, j]), r, j + 1) for r in range(survival.shape[0]) for j in range(survival.shape[1])]
+    return sorted((c for c in cands if c[0] > 0), key=lambda c: (-c[0], c[2], c[1]))
+
+
+def plan_verify_lengths(confidences: torch.Tensor, sps: SPSProfile | Callable[[int], float]) -> list[int]:
+    """Algorithm 1: confidences [R, γ] -> draft tokens to verify per row (each row also verifies its anchor).
+
+    Start at ℓ = 0 for every row (B = R, τ = R); admit candidates in order of prefix survival; record the
+    lengths whenever Θ = τ·SPS(B) improves; stop at the first admission that does not improve Θ.
+    """
+    confidences = _check_confidences(confidences)
+    R = confidences.shape[0]
+    lengths, best = [0] * R, [0] * R
+    B, tau = R, float(R)
+    theta_best = tau * sps(B)
+    for a, r, j in _sorted_candidates(confidences):
+        lengths[r] = j
+        B += 1
+        tau += a
+        theta = tau * sps(B)
+        if theta > theta_best:
+            theta_best, best = theta, list(lengths)
+        else:
+            break
+    return best
+
+
+def plan_capacity(old_confidences: torch.Tensor, sps: SPSProfile | Callable[[int], float]) -> int:
+    """Asynchronous variant, step 1: from confidences two rounds old, the number K of draft tokens (over all rows)
+    that maximises Θ — a global search without early stop, safe because this information predates the tokens
+    being verified now."""
+    confidences = _check_confidences(old_confidences)
+    R = confidences.shape[0]
+    B, tau = R, float(R)
+    best_k, theta_best = 0, tau * sps(B)
+    for k, (a, _, _) in enumerate(_sorted_candidates(confidences), start=1):
+        B += 1
+        tau += a
+        if tau * sps(B) > theta_best:
+            best_k, theta_best = k, tau * sps(B)
+    return best_k
+
+
+def fill_top_k(confidences: torch.Tensor, capacity: int) -> list[int]:
+    """Asynchronous variant, step 2: give the ``capacity`` slots to the current candidates with the highest
+    prefix survival (closed prefixes per row). -> lengths [R]."""
+    confidences = _check_confidences(confidences)
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    lengths = [0] * confidences.shape[0]
+    for _, r, j in _sorted_candidates(confidences)[:capacity]:
+        lengths[r] = max(lengths[r], j)
+    return lengths

@@ -1,0 +1,154 @@
+"""The prefix scheduler (Algorithm 1), its asynchronous variant, and SPS profiles."""
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from conftest import tiny_target
+
+from hf_dspark.scheduler import SPSProfile, fill_top_k, plan_capacity, plan_verify_lengths
+
+COUNTEREXAMPLE = SPSProfile.from_table({1: 1.0, 2: 0.5, 3: 0.45})
+
+
+def plan_without_early_stop(confidences, sps):
+    """The broken variant: keep searching past a drop and take the global best prefix of the admission order."""
+    conf = torch.as_tensor(confidences, dtype=torch.float64)
+    surv = conf.cumprod(-1)
+    order = sorted(
+        [(float(surv[r, j]), r, j + 1) for r in range(conf.shape[0]) for j in range(conf.shape[1])],
+        key=lambda c: (-c[0], c[2], c[1]),
+    )
+    lengths, best, B, tau = [0] * conf.shape[0], [0] * conf.shape[0], conf.shape[0], float(conf.shape[0])
+    theta_best = tau * sps(B)
+    for a, r, j in order:
+        lengths[r], B, tau = j, B + 1, tau + a
+        if tau * sps(B) > theta_best:
+            theta_best, best = tau * sps(B), list(lengths)
+    return best
+
+
+@pytest.mark.parametrize("c2", [0.0, 0.3, 0.9, 1.0])
+def test_paper_counterexample_early_stop_never_looks_at_c2(c2):
+    conf = torch.tensor([[0.8, c2]])
+    assert plan_verify_lengths(conf, COUNTEREXAMPLE) == [0]
+
+
+def test_without_early_stop_the_choice_depends_on_c2():
+    assert plan_without_early_stop([[0.8, 0.9]], COUNTEREXAMPLE) == [2]  # Θ_2 = 2.72 · 0.45 = 1.134 > 1.0
+    assert plan_without_early_stop([[0.8, 0.0]], COUNTEREXAMPLE) == [0]  # x_1 verified only when x_1 made c_2 high
+
+
+def _theta(lengths, conf, sps):
+    surv = conf.cumprod(-1)
+    tau = len(lengths) + sum(float(surv[r, : lengths[r]].sum()) for r in range(len(lengths)))
+    return tau * sps(len(lengths) + sum(lengths))
+
+
+def test_brute_force_small_problems():
+    rng = random.Random(0)
+    for _ in range(300):
+        R, gamma = rng.randint(1, 3), rng.randint(1, 4)
+        conf = torch.tensor([[rng.random() for _ in range(gamma)] for _ in range(R)], dtype=torch.float64)
+        rates = sorted((rng.uniform(0.1, 2.0) for _ in range(R * (gamma + 1))), reverse=True)
+        sps = SPSProfile.from_table({b: rates[b - 1] for b in range(1, R * (gamma + 1) + 1)})
+        got = plan_verify_lengths(conf, sps)
+        # expected: walk the admission order, keep the best prefix, stop at the first drop
+        surv = conf.cumprod(-1)
+        order = sorted(
+            [(float(surv[r, j]), r, j + 1) for r in range(R) for j in range(gamma)], key=lambda c: (-c[0], c[2], c[1])
+        )
+        lengths, expected, best = [0] * R, [0] * R, _theta([0] * R, conf, sps)
+        for _, r, j in order:
+            lengths[r] = j
+            theta = _theta(lengths, conf, sps)
+            if theta > best:
+                best, expected = theta, list(lengths)
+            else:
+                break
+        assert got == expected
+        assert _theta(got, conf, sps) >= _theta([0] * R, conf, sps)  # never worse than verifying nothing
+        assert all(0 <= n <= gamma for n in got)
+        # no subset of prefixes in the admission order beats the global optimum reported by the broken search
+        broken = plan_without_early_stop(conf, sps)
+        assert _theta(broken, conf, sps) >= _theta(got, conf, sps) - 1e-12
+
+
+def test_async_capacity_then_top_k():
+    sps = SPSProfile.from_callable(lambda B: 1.0 / (1 + 0.05 * B))
+    old = torch.tensor([[0.9, 0.8, 0.7], [0.5, 0.2, 0.1]])
+    K = plan_capacity(old, sps)
+    # global search: the best K over all prefixes of the admission order, by brute force
+    surv = old.double().cumprod(-1)
+    a = sorted(surv.flatten().tolist(), reverse=True)
+    thetas = [(2 + sum(a[:k])) * sps(2 + k) for k in range(len(a) + 1)]
+    assert K == max(range(len(thetas)), key=lambda k: thetas[k])
+    now = torch.tensor([[0.2, 0.9, 0.9], [0.95, 0.9, 0.5]])
+    lengths = fill_top_k(now, K)
+    assert sum(lengths) == min(K, 6)
+    assert fill_top_k(now, 2) == [0, 2]  # row 1 has the highest survivals now
+    assert fill_top_k(now, 0) == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({}, "SPS table is empty"),
+        ({1: 1.0, 2: 0.0}, "non-positive"),
+        ({1: 1.0, 2: -3.0}, "non-positive"),
+        ({1: 1.0, 2: 1.5}, r"not non-increasing in B: SPS\(2\) = 1.5 > SPS\(1\) = 1.0"),
+        ({0: 1.0}, "B = 0"),
+    ],
+)
+def test_bad_sps_tables(table, message):
+    with pytest.raises(ValueError, match=message):
+        SPSProfile.from_table(table)
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        (torch.tensor([0.5, 0.5]), r"must be \[R, γ\]"),
+        (torch.tensor([[0.5, 1.2]]), r"probabilities in \[0, 1\]"),
+        (torch.tensor([[-0.1, 0.5]]), r"probabilities in \[0, 1\]"),
+        (torch.tensor([[float("nan"), 0.5]]), r"probabilities in \[0, 1\]"),
+    ],
+)
+def test_bad_confidences(conf, message):
+    with pytest.raises(ValueError, match=message):
+        plan_verify_lengths(conf, COUNTEREXAMPLE)
+
+
+def test_table_interpolation_and_extrapolation():
+    sps = SPSProfile.from_table({1: 10.0, 5: 6.0})
+    assert sps(1) == 10.0 and sps(3) == pytest.approx(8.0) and sps(10) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="B must be >= 1"):
+        sps(0)
+
+
+def test_measure_caches_and_rebuilds_corrupt_files(tmp_path):
+    target = tiny_target("llama")
+    grid = [1, 2, 4]
+    sps = SPSProfile.measure(target, grid=grid, context=16, reps=2, cache_dir=tmp_path)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    assert saved["ident"]["dtype"] == "torch.float32" and saved["ident"]["grid"] == grid
+    assert all(sps(b) > 0 for b in grid) and sps(1) >= sps(2) >= sps(4)
+    # a second call reads the cache (same numbers)
+    assert SPSProfile.measure(target, grid=grid, context=16, cache_dir=tmp_path).table == sps.table
+    files[0].write_text("{not json")
+    rebuilt = SPSProfile.measure(target, grid=grid, context=16, reps=2, cache_dir=tmp_path)
+    assert set(rebuilt.table) == set(grid) and json.loads(files[0].read_text())["table"]
+    # a different dtype is a different key
+    SPSProfile.measure(target.double(), grid=grid, context=16, reps=1, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_exhaustive_lengths_are_prefixes():
+    for c in itertools.product([0.0, 0.3, 0.99], repeat=3):
+        lengths = plan_verify_lengths(torch.tensor([c]), SPSProfile.from_callable(lambda B: 1 / B**0.2))
+        n = lengths[0]
+        assert all(x > 0 for x in c[:n])  # only candidates with positive survival are admitted
