@@ -25,6 +25,10 @@ class DSparkConfig(PretrainedConfig):
         sts_temperatures: per-position temperatures from sequential temperature scaling (``None``: uncalibrated).
     Target identity (a draft refuses any other target):
         target_model_type, target_hidden_size, target_vocab_size, target_num_layers.
+    Verification (may be changed on a loaded draft, e.g. ``draft.config.verify_mode = "fixed"``):
+        verify_mode: ``auto`` (``scheduled`` with a confidence head, else ``fixed``), ``fixed`` (verify all γ),
+            ``threshold`` (the prefix with c_k ≥ ``confidence_threshold``), ``scheduled`` (Algorithm 1 with the
+            target's SPS profile) or ``async`` (capacity from confidences two rounds old, filled by current ones).
     Training:
         loss_decay: position weights w_k = exp(-(k-1)/loss_decay); ``None`` means γ.
     """
@@ -56,6 +60,8 @@ class DSparkConfig(PretrainedConfig):
         target_vocab_size: int | None = None,
         target_num_layers: int | None = None,
         loss_decay: float | None = None,
+        verify_mode: str = "auto",
+        confidence_threshold: float = 0.5,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -82,6 +88,8 @@ class DSparkConfig(PretrainedConfig):
         self.target_vocab_size = target_vocab_size
         self.target_num_layers = target_num_layers
         self.loss_decay = loss_decay
+        self.verify_mode = verify_mode
+        self.confidence_threshold = confidence_threshold
         self.initializer_range = initializer_range
         # `generate` compares vocab sizes of target and assistant before it reaches us: keep this one honest.
         kwargs.setdefault("vocab_size", target_vocab_size)
@@ -118,6 +126,11 @@ class DSparkConfig(PretrainedConfig):
                 )
             if any(t <= 0 for t in self.sts_temperatures):
                 raise ValueError(f"sts_temperatures must be positive, got {self.sts_temperatures}")
+        modes = ("auto", "fixed", "threshold", "scheduled", "async")
+        if self.verify_mode not in modes:
+            raise ValueError(f"verify_mode must be one of {modes}, got {self.verify_mode!r}")
+        if not 0 <= self.confidence_threshold <= 1:
+            raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.target_vocab_size is not None and self.mask_token_id is not None:
             if not 0 <= self.mask_token_id < self.target_vocab_size:
                 raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary")

@@ -1,12 +1,15 @@
 """The DSpark decoding loop, gpt-fast style: one function per idea.
 
-    prefill        target forward over the prompt; first token; draft context from the target's hidden states
-    draft_block    one backbone pass, then the sequential head left to right -> tokens, q, confidences
-    verify_block   target forward over anchor + ℓ draft tokens -> accepted prefix + correction/bonus token
-    dspark_decode  the loop: draft, verify, commit (crop caches, extend the draft context, stream, stop)
+    draft_block     one backbone pass for all rows, then the sequential head left to right -> tokens, q, c
+    choose_lengths  how many draft tokens each row verifies (fixed γ, a confidence threshold, or the scheduler)
+    verify_row      exact acceptance for one row -> accepted prefix + correction/bonus token
+    dspark_decode   the loop: prefill, then draft, choose, verify (one target forward for all rows), commit
 
-Invariant between rounds: the target's KV cache holds every committed token except the last one (the *anchor*);
-the draft's context cache holds the projected keys/values of exactly those same positions.
+Invariant between rounds: the target's KV cache holds every committed token of each row except its last one (the
+row's *anchor*); the draft's context cache holds the projected keys/values of the same slots. Rows of a batch
+accept different numbers of tokens, so the caches keep one column per verified slot and an attention mask marks
+the slots that hold committed tokens (rejected drafts and padding are holes). Columns that are holes in every row
+at the end of a round are cropped, so a single row never carries holes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .kernels import fused_head_step, fused_temperature, use_kernels
 from .modeling_dspark import DSparkDraftModel
+from .scheduler import SPSProfile, fill_top_k, plan_capacity, plan_verify_lengths
 from .stats import DSparkStats
 from .verify import greedy_accept, rejection_sample
 
@@ -28,43 +32,38 @@ def _probs(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _process(logits_processor: LogitsProcessorList, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """Apply the target's logits processors to one position: ids [1, T] (everything before it), scores [1, V]."""
+    """Apply the target's logits processors to one position of one row: ids [1, T] (its history), scores [1, V]."""
     return logits_processor(ids, scores) if logits_processor else scores
 
 
 @dataclass
 class DraftContext:
-    """The draft's cache of projected context keys/values, one (k, v) pair per draft layer: [1, KV, L, hd]."""
+    """The draft's cache of projected context keys/values, one (k, v) pair per draft layer: [R, KV, L, hd]."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    positions: torch.Tensor  # [1, L]: sequence positions of the cached entries (for padding masks)
-    valid: torch.Tensor  # [1, L] bool: False for left padding
+    valid: torch.Tensor  # [R, L] bool: False for padding and rejected slots
 
     def extend(self, draft: DSparkDraftModel, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
-        """Project only the new hidden states features [1, n, m·d_t] and append them."""
+        """Project only the new hidden states features [R, n, m·d_t] (at positions [R, n]) and append them."""
+        features = torch.where(valid[..., None], features, 0)  # holes may hold garbage; keep it out of the cache
         new = draft.context_key_values(features.to(draft.dtype), positions)
         self.keys = [torch.cat([k, nk], dim=2) for k, (nk, _) in zip(self.keys, new, strict=True)]
         self.values = [torch.cat([v, nv], dim=2) for v, (_, nv) in zip(self.values, new, strict=True)]
-        self.positions = torch.cat([self.positions, positions], dim=1)
         self.valid = torch.cat([self.valid, valid], dim=1)
 
     @classmethod
-    def empty(cls, draft: DSparkDraftModel, device: torch.device) -> DraftContext:
+    def empty(cls, draft: DSparkDraftModel, rows: int, device: torch.device) -> DraftContext:
         c = draft.config
-        kv = torch.empty(1, c.num_key_value_heads, 0, c.head_dim, device=device, dtype=draft.dtype)
+        kv = torch.empty(rows, c.num_key_value_heads, 0, c.head_dim, device=device, dtype=draft.dtype)
         n = len(draft.layers)
-        return cls(
-            [kv] * n,
-            [kv] * n,
-            torch.empty(1, 0, dtype=torch.long, device=device),
-            torch.empty(1, 0, dtype=torch.bool, device=device),
-        )
+        return cls([kv] * n, [kv] * n, torch.empty(rows, 0, dtype=torch.bool, device=device))
 
 
 @dataclass
 class Proposal:
-    """A drafted block: tokens [ℓ], processed draft probabilities q [ℓ, V] (sampling only), confidences [ℓ] or None."""
+    """Drafted blocks for R rows: tokens [R, G], processed draft probabilities q [R, G, V] (sampling only),
+    confidences c [R, G] or None. G is the largest number of tokens any row may verify this round."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
@@ -72,7 +71,7 @@ class Proposal:
 
 
 def target_features(draft: DSparkDraftModel, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The target layers the draft reads, hidden_states[l + 1] for l in target_layer_ids: -> [1, n, m·d_t]."""
+    """The target layers the draft reads, hidden_states[l + 1] for l in target_layer_ids: -> [R, n, m·d_t]."""
     return torch.cat([hidden_states[layer + 1] for layer in draft.config.target_layer_ids], dim=-1)
 
 
@@ -87,25 +86,27 @@ def _target_forward(target, ids, positions, attention_mask, cache):
     )
 
 
-def _torch_slot(draft, logits, h_k, prev, state, ids, logits_processor, do_sample, conf_temperature):
-    """One slot on the PyTorch path: head bias, confidence, the target's processors, argmax or sample.
-    -> (token [1], processed probs [1, V] or None, confidence [1] or None, head state)."""
+def _torch_slot(draft, logits, h_k, prev, state, histories, logits_processor, do_sample, conf_temperature):
+    """One slot on the PyTorch path: head bias, confidence, the target's processors (per row, with that row's
+    history), argmax or sample. -> (tokens [R], processed probs [R, V] or None, confidences [R] or None, state)."""
     head, conf_head, feature, conf = draft.sequential_head, draft.confidence, None, None
     if head is not None:
         bias, feature, state = head.step(prev, h_k, state)
         logits = logits + bias
     if conf_head is not None:
         conf = conf_head.calibrated(conf_head.logit(h_k, feature), conf_temperature)
-    scores = _process(
-        logits_processor, ids, logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype)
-    )
+    logits = logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype)
+    if logits_processor:
+        logits = torch.cat(
+            [_process(logits_processor, ids[None], logits[r : r + 1]) for r, ids in enumerate(histories)]
+        )
     if not do_sample:
-        return scores.argmax(-1), None, conf, state
-    p = _probs(scores)
+        return logits.argmax(-1), None, conf, state
+    p = _probs(logits)
     return torch.multinomial(p, 1)[:, 0], p, conf, state
 
 
-def _kernel_slot(draft, logits, h_k, prev, state, ids, logits_processor, do_sample, conf_temperature):
+def _kernel_slot(draft, logits, h_k, prev, state, histories, logits_processor, do_sample, conf_temperature):
     """The same slot through the fused Triton step (temperature is the only processing it fuses)."""
     temperature = fused_temperature(logits_processor)
     _, token, p, conf, state = fused_head_step(
@@ -118,36 +119,38 @@ def _kernel_slot(draft, logits, h_k, prev, state, ids, logits_processor, do_samp
 def draft_block(
     draft: DSparkDraftModel,
     context: DraftContext,
-    sequence: torch.Tensor,
-    anchor_position: int,
+    histories: list[torch.Tensor],
+    anchor_positions: torch.Tensor,
     max_tokens: int,
     logits_processor: LogitsProcessorList,
     do_sample: bool,
 ) -> Proposal:
-    """Propose up to ``max_tokens`` (≤ γ) tokens after the anchor ``sequence[0, -1]``.
+    """Propose ``max_tokens`` (≤ γ) tokens after each row's anchor ``histories[r][-1]`` (at ``anchor_positions``).
 
-    One backbone forward gives U, h for all slots; the sequential head then adds its bias left to right, each
-    position's logits are processed exactly like the target's, and a token is chosen (argmax or sample).
+    One backbone forward gives U, h for all rows and slots; the sequential head then adds its bias left to right,
+    each position's logits are processed exactly like the target's, and a token is chosen (argmax or sample).
     """
     gamma = draft.config.block_size
-    device = sequence.device
-    anchor = sequence[:, -1]
+    device = anchor_positions.device
+    anchors = torch.stack([h[-1] for h in histories])
+    R = anchors.shape[0]
     if max_tokens == 0:
-        no_conf = None if draft.confidence is None else torch.empty(0, device=device)
-        return Proposal(anchor.new_empty(0), None, no_conf)
-    positions = torch.arange(anchor_position, anchor_position + gamma, device=device)[None]
+        no_conf = None if draft.confidence is None else torch.empty(R, 0, device=device)
+        return Proposal(anchors.new_empty(R, 0), None, no_conf)
+    positions = anchor_positions[:, None] + torch.arange(gamma, device=device)
     mask = None
     if not bool(context.valid.all()):
-        mask = torch.cat([context.valid, torch.ones(1, gamma, dtype=torch.bool, device=device)], dim=1)
-        mask = mask[:, None, :].expand(1, gamma, -1)
-    out = draft(draft.embed_block(anchor), positions, list(zip(context.keys, context.values, strict=True)), mask)
+        mask = torch.cat([context.valid, torch.ones(R, gamma, dtype=torch.bool, device=device)], dim=1)
+        mask = mask[:, None, :].expand(R, gamma, -1)
+    out = draft(draft.embed_block(anchors), positions, list(zip(context.keys, context.values, strict=True)), mask)
     temps = draft.config.sts_temperatures
     step = _kernel_slot if use_kernels(draft, device, logits_processor) else _torch_slot
     tokens, probs, confs = [], [], []
-    prev, state, ids = anchor, None, sequence
+    prev, state = anchors, None
     for k in range(max_tokens):
+        hist = [torch.cat([h, torch.stack(tokens)[:, r]]) if tokens else h for r, h in enumerate(histories)]
         token, p, conf, state = step(
-            draft, out.logits[:, k], out.hidden_states[:, k], prev, state, ids, logits_processor, do_sample,
+            draft, out.logits[:, k], out.hidden_states[:, k], prev, state, hist, logits_processor, do_sample,
             temps[k] if temps else None,
         )  # fmt: skip
         tokens.append(token)
@@ -156,24 +159,83 @@ def draft_block(
         if conf is not None:
             confs.append(conf)
         prev = token
-        ids = torch.cat([ids, token[:, None]], dim=1)
     return Proposal(
-        tokens=torch.cat(tokens),
-        probs=torch.cat(probs) if do_sample else None,
-        confidences=torch.cat(confs) if confs else None,
+        tokens=torch.stack(tokens, dim=1),
+        probs=torch.stack(probs, dim=1) if do_sample else None,
+        confidences=torch.stack(confs, dim=1).double() if confs else None,
     )
 
 
-def _check_supported(generation_config: GenerationConfig, input_ids: torch.Tensor, model_kwargs: dict) -> None:
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"DSpark generation currently supports batch size 1, got a batch of {input_ids.shape[0]}: "
-            "call generate once per prompt."
-        )
+VERIFY_MODES = ("auto", "fixed", "threshold", "scheduled", "async")
+
+
+def resolve_verify_mode(draft: DSparkDraftModel) -> str:
+    """``config.verify_mode``; ``auto`` means ``scheduled`` with a confidence head, else ``fixed``."""
+    mode = getattr(draft.config, "verify_mode", "auto")
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {mode!r}")
+    if mode == "auto":
+        return "scheduled" if draft.confidence is not None else "fixed"
+    if draft.confidence is None and mode != "fixed":
+        raise ValueError(f"verify_mode={mode!r} needs a confidence head (the draft has confidence_head=False)")
+    return mode
+
+
+def sps_profile(draft: DSparkDraftModel, target, rows: int) -> SPSProfile:
+    """``draft.sps_profile`` if set, else measured once on the target (and cached on disk)."""
+    if getattr(draft, "sps_profile", None) is None:
+        gamma = draft.config.block_size
+        top = rows * (gamma + 1)
+        grid = sorted({1, 2, 3, 4, 6, 8, 12, 16, top // 2, top} - {0})
+        draft.sps_profile = SPSProfile.measure(target, grid=grid)
+    return draft.sps_profile
+
+
+def choose_lengths(mode, confidences, caps, history, sps, threshold) -> list[int]:
+    """Draft tokens each row verifies. ``caps`` [R] bound them (length limit; 0 for finished rows); confidences
+    beyond a cap are zeroed first, so the planners never admit them. ``history`` holds past rounds' confidences
+    (the asynchronous variant sizes its capacity from the one two rounds back)."""
+    if mode == "fixed" or confidences is None or confidences.shape[1] == 0:
+        return list(caps)
+    allowed = torch.arange(confidences.shape[1], device=confidences.device)[None] < torch.tensor(caps)[:, None]
+    conf = torch.where(allowed, confidences, 0).cpu()
+    if mode == "threshold":
+        return [int((conf[r] >= threshold).long().cumprod(0).sum()) for r in range(conf.shape[0])]
+    if mode == "scheduled" or len(history) < 2:
+        return plan_verify_lengths(conf, sps)
+    old = history[-2]
+    return fill_top_k(conf, plan_capacity(old, sps)) if old.shape == conf.shape else plan_verify_lengths(conf, sps)
+
+
+def verify_row(draft_tokens, draft_probs, raw_logits, history, logits_processor, do_sample):
+    """Exact acceptance for one row: draft_tokens [ℓ], draft_probs [ℓ, V] | None, raw target logits [ℓ+1, V],
+    history [T] (the row's committed tokens) -> (n accepted, next token, processed target scores [ℓ+1, V])."""
+    candidate = torch.cat([history, draft_tokens])
+    base = history.shape[0]
+    scores = torch.cat(
+        [_process(logits_processor, candidate[None, : base + i], raw_logits[i : i + 1]) for i in range(len(raw_logits))]
+    )
+    if do_sample:
+        n, nxt = rejection_sample(draft_tokens, draft_probs, _probs(scores))
+    else:
+        n, nxt = greedy_accept(draft_tokens, scores)
+    return n, nxt, scores
+
+
+def _check_supported(generation_config: GenerationConfig, input_ids: torch.Tensor, model_kwargs: dict, streamer):
+    R = input_ids.shape[0]
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("DSpark generation does not return attentions or hidden states.")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("DSpark generation needs input_ids (inputs_embeds is not supported).")
+    if R > 1 and streamer is not None:
+        raise ValueError("streamers need batch size 1 (rows of a DSpark batch advance by different amounts)")
+    if (
+        R > 1
+        and generation_config.return_dict_in_generate
+        and (generation_config.output_scores or generation_config.output_logits)
+    ):
+        raise ValueError("output_scores/output_logits with DSpark need batch size 1")
 
 
 @torch.no_grad()
@@ -190,10 +252,11 @@ def dspark_decode(
 ):
     """DSpark decoding with the arguments ``GenerationMixin.generate`` prepares for a decoding method.
 
-    Returns the full sequences [1, T] (prompt + new tokens), or a ``GenerateDecoderOnlyOutput`` when
+    ``input_ids`` [R, P] is a left-padded batch. Returns the sequences [R, P + new] (rows that finish early are
+    padded with the pad token, as plain ``generate`` does), or a ``GenerateDecoderOnlyOutput`` when
     ``return_dict_in_generate``. ``draft.stats`` holds the per-round statistics afterwards.
     """
-    _check_supported(generation_config, input_ids, model_kwargs)
+    _check_supported(generation_config, input_ids, model_kwargs, streamer)
     if synced_gpus:
         raise ValueError("DSpark generation does not support synced_gpus (ZeRO-3 / FSDP sharded generation).")
     if not draft.is_attached or draft.target is not target:
@@ -201,22 +264,26 @@ def dspark_decode(
     cache = model_kwargs.get("cache")
     if cache is None:
         raise ValueError("DSpark generation needs use_cache=True (a cache the verifier can crop).")
-    do_sample = generation_config.do_sample
+    R, device = input_ids.shape[0], input_ids.device
+    do_sample, gamma = generation_config.do_sample, draft.config.block_size
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []
-    stats = DSparkStats(block_size=draft.config.block_size)
+    mode = resolve_verify_mode(draft)
+    sps = sps_profile(draft, target, R) if mode in ("scheduled", "async") else None
+    stats = DSparkStats(block_size=gamma)
     draft.stats = stats
     max_length = generation_config.max_length
+    pad = generation_config._pad_token_tensor
+    pad_id = int(pad) if pad is not None else 0
 
     # --- prefill ------------------------------------------------------------------------------------------------
     attention_mask = model_kwargs.get("attention_mask")
-    padded = attention_mask is not None  # generate drops an all-ones mask; keep passing one only if it had zeros
-    mask = attention_mask if padded else torch.ones_like(input_ids)
-    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    cache_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    positions = (cache_mask.long().cumsum(-1) - 1).clamp_min(0)
     out = _target_forward(target, input_ids, positions, attention_mask, cache)
-    context = DraftContext.empty(draft, input_ids.device)
-    context.extend(draft, target_features(draft, out.hidden_states), positions, mask.bool())
+    context = DraftContext.empty(draft, R, device)
+    context.extend(draft, target_features(draft, out.hidden_states), positions, cache_mask.bool())
     raw = out.logits[:, -1]
     scores = _process(logits_processor, input_ids, raw.float() if raw.dtype != torch.float64 else raw)
     first = torch.multinomial(_probs(scores), 1)[:, 0] if do_sample else scores.argmax(-1)
@@ -224,76 +291,88 @@ def dspark_decode(
         scores_out.append(scores)
     if want_logits:
         logits_out.append(raw)
-    sequence = torch.cat([input_ids, first[:, None]], dim=1)
-    mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
-    next_position = int(positions[0, -1]) + 1  # position of the anchor
+    histories = [torch.cat([input_ids[r], first[r : r + 1]]) for r in range(R)]
+    finished = [bool(stopping_criteria(histories[r][None], scores[r : r + 1]).any()) for r in range(R)]
+    anchor_pos = positions[:, -1] + 1
     if streamer is not None:
         streamer.put(first.cpu())
-    finished = bool(stopping_criteria(sequence, scores).any())
+    conf_history: list[torch.Tensor] = []
 
     # --- rounds -------------------------------------------------------------------------------------------------
-    while not finished:
-        remaining = max_length - sequence.shape[1]
-        ell_max = min(draft.config.block_size, remaining - 1)
-        proposal = draft_block(draft, context, sequence, next_position, ell_max, logits_processor, do_sample)
-        ell = proposal.tokens.shape[0]
-
-        # verify: anchor + ℓ draft tokens in one target forward
-        block = torch.cat([sequence[:, -1], proposal.tokens])[None]
-        block_positions = torch.arange(next_position, next_position + ell + 1, device=block.device)[None]
-        full_mask = torch.cat([mask, mask.new_ones(1, ell)], dim=1) if padded else None
-        out = _target_forward(target, block, block_positions, full_mask, cache)
-        raw = out.logits[0]
-        raw = raw.float() if raw.dtype != torch.float64 else raw
-        candidate = torch.cat([sequence, proposal.tokens[None]], dim=1)
-        base = sequence.shape[1]
-        target_scores = torch.cat(
-            [_process(logits_processor, candidate[:, : base + i], raw[i : i + 1]) for i in range(ell + 1)]
+    while not all(finished):
+        caps = [0 if finished[r] else min(gamma, max_length - len(histories[r]) - 1) for r in range(R)]
+        proposal = draft_block(draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample)
+        lengths = choose_lengths(
+            mode, proposal.confidences, caps, conf_history, sps, getattr(draft.config, "confidence_threshold", 0.5)
         )
-        if do_sample:
-            n, nxt = rejection_sample(proposal.tokens, proposal.probs, _probs(target_scores))
-        else:
-            n, nxt = greedy_accept(proposal.tokens, target_scores)
-        new_tokens = torch.cat([proposal.tokens[:n], nxt[None]])
+        if proposal.confidences is not None:
+            conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
+        stats.verify_rounds.append([lengths[r] for r in range(R) if not finished[r]])
 
-        # commit token by token so stopping criteria (EOS, max_length, stop strings) cut exactly where plain
-        # generate would have stopped
-        committed = 0
-        for i in range(n + 1):
-            sequence = torch.cat([sequence, new_tokens[i : i + 1][None]], dim=1)
-            committed += 1
-            if want_scores:
-                scores_out.append(target_scores[i : i + 1])
-            if want_logits:
-                logits_out.append(raw[i : i + 1])
-            if bool(stopping_criteria(sequence, target_scores[i : i + 1]).any()):
-                finished = True
-                break
-        stats.record(ell, n, committed, proposal.confidences.tolist() if proposal.confidences is not None else None)
-        if streamer is not None:
-            streamer.put(new_tokens[:committed].cpu())
-        if finished:
+        # verify: each active row's anchor + its ℓ_r draft tokens, one target forward for the whole batch
+        W = max(lengths[r] + 1 for r in range(R) if not finished[r])
+        block = torch.full((R, W), pad_id, dtype=torch.long, device=device)
+        slot_valid = torch.zeros(R, W, dtype=torch.bool, device=device)
+        for r in range(R):
+            if not finished[r]:
+                block[r, 0] = histories[r][-1]
+                block[r, 1 : 1 + lengths[r]] = proposal.tokens[r, : lengths[r]]
+                slot_valid[r, : lengths[r] + 1] = True
+        block_positions = anchor_pos[:, None] + torch.arange(W, device=device)
+        full_mask = torch.cat([cache_mask, slot_valid.long()], dim=1)
+        out = _target_forward(target, block, block_positions, None if bool(full_mask.all()) else full_mask, cache)
+        raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
+
+        kept = torch.zeros(R, W, dtype=torch.bool, device=device)  # anchor + accepted: the new committed slots
+        for r in range(R):
+            if finished[r]:
+                continue
+            ell = lengths[r]
+            q = proposal.probs[r, :ell] if proposal.probs is not None else None
+            n, nxt, target_scores = verify_row(
+                proposal.tokens[r, :ell], q, raw[r, : ell + 1], histories[r], logits_processor, do_sample
+            )
+            new_tokens = torch.cat([proposal.tokens[r, :n], nxt[None]])
+            # commit token by token so stopping criteria (EOS, max_length, stop strings) cut exactly where plain
+            # generate would have stopped
+            committed = 0
+            for i in range(n + 1):
+                histories[r] = torch.cat([histories[r], new_tokens[i : i + 1]])
+                committed += 1
+                if want_scores:
+                    scores_out.append(target_scores[i : i + 1])
+                if want_logits:
+                    logits_out.append(raw[r, i : i + 1])
+                if bool(stopping_criteria(histories[r][None], target_scores[i : i + 1]).any()):
+                    finished[r] = True
+                    break
+            confs = proposal.confidences[r, :ell].tolist() if proposal.confidences is not None else None
+            stats.record(ell, n, committed, confs)
+            if streamer is not None:
+                streamer.put(new_tokens[:committed].cpu())
+            kept[r, : n + 1] = True
+            anchor_pos[r] += n + 1
+        if all(finished):
             break
 
-        # the target cache keeps the anchor and the n accepted tokens; the draft context gains the same positions
-        cache.crop(-(ell - n))
-        mask = torch.cat([mask, mask.new_ones(1, n + 1)], dim=1)
-        kept = slice(0, n + 1)
-        context.extend(
-            draft,
-            target_features(draft, out.hidden_states)[:, kept],
-            block_positions[:, kept],
-            torch.ones(1, n + 1, dtype=torch.bool, device=block.device),
-        )
-        next_position += n + 1
+        # keep committed slots, drop the columns that are holes in every row, extend the draft context alike
+        used = int(kept.any(0).nonzero().max()) + 1
+        cache.crop(-(W - used))
+        cache_mask = torch.cat([cache_mask, kept[:, :used].long()], dim=1)
+        features = target_features(draft, out.hidden_states)[:, :used]
+        context.extend(draft, features, block_positions[:, :used], kept[:, :used])
 
     if streamer is not None:
         streamer.end()
+    width = max(len(h) for h in histories)
+    sequences = torch.full((R, width), pad_id, dtype=torch.long, device=device)
+    for r, h in enumerate(histories):
+        sequences[r, : len(h)] = h
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(
-            sequences=sequence,
+            sequences=sequences,
             scores=tuple(scores_out) if want_scores else None,
             logits=tuple(logits_out) if want_logits else None,
             cache=cache,
         )
-    return sequence
+    return sequences

@@ -157,6 +157,7 @@ class DSparkDraftModel(PreTrainedModel):
         self.confidence = ConfidenceHead(c.hidden_size, feature) if c.confidence_head else None
         self._target: _TargetRef | None = None
         self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
+        self.sps_profile = None  # hf_dspark.scheduler.SPSProfile; measured on first scheduled generate if unset
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:

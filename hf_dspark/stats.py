@@ -11,6 +11,8 @@ class DSparkStats:
 
     ``proposed[i]``: draft tokens verified in round i (ℓ); ``accepted[i]``: how many survived (n ≤ ℓ);
     ``committed[i]``: tokens committed that round (n + 1 unless generation stopped inside the block).
+    In a batch, every active row's verification in a round is one entry; ``verify_rounds`` keeps the verify
+    lengths the scheduler chose per round (one list per round, one entry per active row).
     """
 
     block_size: int
@@ -18,6 +20,7 @@ class DSparkStats:
     accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
     confidences: list[list[float]] = field(default_factory=list)
+    verify_rounds: list[list[int]] = field(default_factory=list)  # per round: ℓ chosen for each active row
 
     def record(self, proposed: int, accepted: int, committed: int, confidences: list[float] | None = None) -> None:
         self.proposed.append(proposed)
@@ -59,4 +62,5 @@ class DSparkStats:
             "proposed": self.proposed,
             "accepted": self.accepted,
             "committed": self.committed,
+            "verify_rounds": self.verify_rounds,
         }

@@ -38,6 +38,7 @@ class Oracle:
 
     def __init__(self, draft, reference, wrong_slots=()):
         self.reference, self.wrong_slots, self.vocab = reference[0], set(wrong_slots), draft.config.target_vocab_size
+        draft.config.verify_mode = "fixed"  # verify every proposal, so acceptance counts are the oracle's
         original = draft.forward
 
         def forward(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):

@@ -136,11 +136,35 @@ def test_other_architecture_is_refused():
         tiny_target("qwen3").generate(torch.tensor([[5, 6]]), max_new_tokens=3, assistant_model=draft)
 
 
-def test_batch_larger_than_one_is_refused():
+def test_batch_with_streamer_or_scores_is_refused():
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    with pytest.raises(ValueError, match="batch size 1, got a batch of 2"):
-        target.generate(torch.tensor([[5, 6, 7], [7, 8, 9]]), max_new_tokens=4, assistant_model=draft)
+    batch = torch.tensor([[5, 6, 7], [7, 8, 9]])
+    with pytest.raises(ValueError, match="streamers need batch size 1"):
+        target.generate(batch, max_new_tokens=4, assistant_model=draft, streamer=Recorder())
+    with pytest.raises(ValueError, match="output_scores/output_logits with DSpark need batch size 1"):
+        target.generate(
+            batch, max_new_tokens=4, assistant_model=draft, return_dict_in_generate=True, output_scores=True
+        )
+
+
+def test_verify_mode_is_validated():
+    with pytest.raises(ValueError, match="verify_mode must be one of"):
+        DSparkConfig(verify_mode="greedy")
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8, confidence_head=False)
+    draft.config.verify_mode = "scheduled"
+    with pytest.raises(ValueError, match="needs a confidence head"):
+        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=draft)
 
 
 def test_num_return_sequences_is_refused():

@@ -91,11 +91,16 @@ def target():
     return tiny_target("llama", vocab_size=VOCAB, dtype=torch.float64, seed=3, tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("head", ["none", "markov", "gated", "rnn"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    ("head", "case"),
+    [("none", "top-k-top-p"), ("markov", "top-k-top-p"), ("gated", "top-k-top-p"), ("rnn", "top-k-top-p"),
+     ("markov", "temperature")],
+)  # fmt: skip
 def test_sampling_matches_target_distribution(target, head, case):
+    """Every head type with temperature 1.3 + top-k + top-p; the Markov head also with a temperature alone."""
     kw = CASES[case]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=4)
+    draft.config.verify_mode = "fixed"  # verify all γ: the most rejection sampling per sample
     torch.manual_seed(1)
     with torch.no_grad():  # make the head matter: random (not neutral) Markov weights
         if draft.sequential_head is not None:
@@ -105,6 +110,25 @@ def test_sampling_matches_target_distribution(target, head, case):
     assert chi_square_pvalue(counts, probs) > ALPHA
     # the draft really was exercised: some proposals rejected, some accepted
     assert 0 < sum(draft.stats.accepted) < sum(draft.stats.proposed)
+
+
+@pytest.mark.parametrize("mode", ["scheduled", "async", "threshold"])
+def test_sampling_is_lossless_with_confidence_scheduled_verification(target, mode):
+    from hf_dspark.scheduler import SPSProfile
+
+    kw = CASES["top-k-top-p"]
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 2.0)
+        draft.confidence.confidence_head.weight.normal_(0, 1.0)
+    draft.config.verify_mode = mode
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.3 * B))
+    probs = exact_distribution(target, _processors(kw["temperature"], kw["top_k"], kw["top_p"]))
+    counts = sample_counts(target, draft, kw)
+    assert chi_square_pvalue(counts, probs) > ALPHA
+    lengths = {n for rnd in draft.stats.verify_rounds for n in rnd}
+    assert len(lengths) > 1  # the verify length really varied with the confidences
 
 
 def test_broken_acceptance_rule_is_detected(target, monkeypatch):
@@ -117,6 +141,7 @@ def test_broken_acceptance_rule_is_detected(target, monkeypatch):
     monkeypatch.setattr(hf_dspark.generation, "rejection_sample", accept_all)
     kw = CASES["temperature"]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
+    draft.config.verify_mode = "fixed"
     probs = exact_distribution(target, _processors(kw["temperature"]))
     counts = sample_counts(target, draft, kw, n=600)
     assert chi_square_pvalue(counts, probs) < 1e-6

@@ -1,0 +1,119 @@
+"""Batched DSpark generation: every row equals its own plain greedy output; finished rows stop verifying."""
+
+import pytest
+import torch
+from conftest import tiny_target
+
+from hf_dspark import DSparkDraftModel
+from hf_dspark.scheduler import SPSProfile
+
+PAD = 0
+
+
+def left_pad(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def new_tokens(row, eos):
+    row = row.tolist()
+    if eos is not None and eos in row:
+        row = row[: row.index(eos) + 1]
+    return row
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 8], [12, 3], [70, 71, 72, 73, 74], [90, 15, 15, 60]]
+
+
+@pytest.mark.parametrize("mode", ["fixed", "threshold", "scheduled", "async"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_batched_greedy_equals_per_row_plain_greedy(mode, arch):
+    target = tiny_target(arch, dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.verify_mode = mode
+    draft.config.confidence_threshold = 0.5
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
+    # an EOS that row 0 produces early, so rows finish at different times
+    probe = target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=20, do_sample=False)[0, len(PROMPTS[0]) :]
+    eos = int(probe[4])
+    refs = [
+        new_tokens(
+            target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=eos)[0, len(p) :], eos
+        )
+        for p in PROMPTS
+    ]
+    ids, mask = left_pad(PROMPTS)
+    out = target.generate(
+        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=PAD,
+        assistant_model=draft,
+    )  # fmt: skip
+    width = ids.shape[1]
+    for r, ref in enumerate(refs):
+        assert new_tokens(out[r, width:], eos) == ref, f"row {r}"
+        # after a row's end the output holds only padding, as in plain generate
+        assert out[r, width + len(ref) :].eq(PAD).all()
+    assert out.shape[1] == width + max(len(r) for r in refs)
+    # finished rows stop consuming verify budget: rounds after row 0's end verify fewer rows
+    sizes = [len(v) for v in draft.stats.verify_rounds]
+    assert sizes[0] == 4 and min(sizes) < 4 and sizes == sorted(sizes, reverse=True)
+
+
+def test_batched_rows_accept_different_amounts():
+    """With an oracle draft right for some rows and wrong for others, rows advance by different amounts per
+    round and the caches stay consistent (outputs still exact)."""
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="none")
+    draft.config.verify_mode = "fixed"
+    refs = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :] for p in PROMPTS]
+    ids, mask = left_pad(PROMPTS)
+    width = ids.shape[1]
+    offsets = [width - len(p) for p in PROMPTS]
+    original = draft.forward
+
+    def oracle(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
+        out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
+        logits = torch.full_like(out.logits, -1e4)
+        for r in range(block_positions.shape[0]):
+            for k, pos in enumerate(block_positions[r].tolist()):
+                i = pos + 1 - len(PROMPTS[r])  # index into the row's new tokens
+                good = int(refs[r][i]) if 0 <= i < len(refs[r]) else 3
+                token = good if r % 2 == 0 else (good + 1) % 96  # even rows: right; odd rows: always wrong
+                logits[r, k, token] = 1e4
+        out.logits = logits
+        return out
+
+    draft.forward = oracle
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft)
+    for r in range(4):
+        assert out[r, width:].tolist() == refs[r].tolist(), f"row {r}"
+    assert offsets  # (left padding really was present)
+    acc = draft.stats.accepted
+    assert max(acc) == 4 and min(acc) == 0
+
+
+def test_smollm2_batch_of_four_prompts(smollm2):
+    target, tokenizer = smollm2
+    texts = [
+        "What is 7 times 8?",
+        "Write a haiku about the sea and the wind over it at night.",
+        "def add(a, b):",
+        "List three prime numbers larger than one hundred and explain how you checked each of them.",
+    ]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in texts
+    ]
+    assert len({len(p) for p in prompts}) == 4
+    torch.manual_seed(0)
+    draft = DSparkDraftModel.from_target(target, block_size=4, num_draft_layers=1, head_rank=16)
+    draft.sps_profile = SPSProfile.from_table({1: 10.0, 8: 8.0, 40: 3.0})
+    eos = tokenizer.eos_token_id
+    refs = [new_tokens(target.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p) :], eos)
+            for p in prompts]  # fmt: skip
+    ids, mask = left_pad(prompts)
+    ids[mask == 0] = tokenizer.pad_token_id
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, assistant_model=draft)
+    for r, ref in enumerate(refs):
+        assert new_tokens(out[r, ids.shape[1] :], eos) == ref, texts[r]
