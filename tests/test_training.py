@@ -6,8 +6,9 @@ from conftest import tiny_target
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.training.data import load_dataset, read_prompts
+from hf_dspark.training.features import FeatureCache, target_outputs
 from hf_dspark.training.losses import DSparkTrainingModule, block_attention_mask
-from hf_dspark.training.trainer import TrainConfig, make_batch, target_outputs, train
+from hf_dspark.training.trainer import TrainConfig, make_batch, train
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +25,9 @@ def setup():
 
 def _batch(target, draft, rows, seed=0, anchors=6):
     cfg = TrainConfig(batch_size=2, anchors=anchors)
-    input_ids, valid, anc = make_batch(rows, cfg, torch.Generator().manual_seed(seed))
-    feats, logits = target_outputs(target, draft, input_ids, valid)
-    return feats, input_ids, valid, anc, logits
+    input_ids, valid, anc, _ = make_batch(rows, cfg, torch.Generator().manual_seed(seed))
+    feats, final = target_outputs(target, draft.config.target_layer_ids, input_ids, valid)
+    return feats, input_ids, valid, anc, final
 
 
 def test_block_attention_mask_rule():
@@ -242,3 +243,27 @@ def test_cli_train_then_calibrate(setup, tmp_path):
     ids = torch.tensor([[5, 6, 7, 8]])
     kw = dict(max_new_tokens=10, do_sample=False)
     assert target.generate(ids, assistant_model=draft, **kw).tolist() == target.generate(ids, **kw).tolist()
+
+
+def test_feature_cache_gives_the_same_training_as_online(setup, tmp_path):
+    target, rows = setup
+    cfg = TrainConfig(steps=6, lr=3e-3, anchors=4, batch_size=2, seed=3)
+
+    def run(out, cache):
+        torch.manual_seed(0)
+        draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+        return train(target, draft, rows, out, cfg, progress=False, log=lambda s: None, feature_cache=cache)
+
+    online = run(tmp_path / "a", None)
+    cached = run(tmp_path / "b", tmp_path / "features")
+    files = list((tmp_path / "features").rglob("*.safetensors"))
+    assert 0 < len(files) <= len(rows)
+    a, b = online.state_dict(), cached.state_dict()
+    for k in a:  # fp16 storage of the features: close, not bit-equal
+        torch.testing.assert_close(a[k], b[k], rtol=2e-2, atol=2e-3)
+    # a corrupt cache file is recomputed, not a crash
+    files[0].write_bytes(b"junk")
+    fc = FeatureCache(tmp_path / "features", target, online.config.target_layer_ids)
+    row = next(r for r in rows if fc._path(r) == files[0])
+    feats, final = fc.get(row, 1024, torch.device("cpu"))
+    assert feats.shape[0] == len(row["prompt_ids"]) + len(row["response_ids"]) and final.shape[-1] == 32

@@ -9,8 +9,9 @@ import torch
 
 from ..calibration import calibration_report, sequential_temperature_scaling
 from ..modeling_dspark import DSparkDraftModel
+from .features import target_outputs
 from .losses import block_predictions
-from .trainer import TrainConfig, make_batch, target_outputs
+from .trainer import TrainConfig, make_batch
 
 
 @torch.no_grad()
@@ -27,9 +28,9 @@ def collect_confidence_data(target, draft: DSparkDraftModel, rows: list[dict], b
     gen = torch.Generator().manual_seed(seed)
     logits, accepted = [], []
     while sum(x.shape[0] for x in logits) < blocks:
-        input_ids, valid, anchors = make_batch(rows, cfg, gen)
-        feats, t_logits = target_outputs(target, draft, input_ids, valid)
-        pred = block_predictions(draft, feats, input_ids, valid, anchors, t_logits)
+        input_ids, valid, anchors, _ = make_batch(rows, cfg, gen)
+        feats, final = target_outputs(target, draft.config.target_layer_ids, input_ids, valid)
+        pred = block_predictions(draft, feats, input_ids, valid, anchors, final)
         keep = pred.has_label.all(-1).flatten()
         logits.append(pred.confidence_logits.flatten(0, 1)[keep])
         accepted.append((pred.logits.argmax(-1) == pred.target_logits.argmax(-1)).float().flatten(0, 1)[keep])

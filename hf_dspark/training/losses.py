@@ -46,7 +46,7 @@ class BlockPredictions:
     """Teacher-forced draft predictions for A blocks per row: all tensors shaped [R, A, γ, ...]."""
 
     logits: torch.Tensor  # draft logits after the sequential head, float32 [R, A, γ, V]
-    target_logits: torch.Tensor  # target logits for the same next tokens [R, A, γ, V]
+    target_logits: torch.Tensor  # target logits for the same next tokens [R, A, γ, V] (float32)
     labels: torch.Tensor  # the true next tokens [R, A, γ]
     has_label: torch.Tensor  # False past the end of the sequence [R, A, γ]
     confidence_logits: torch.Tensor | None  # [R, A, γ]
@@ -58,10 +58,11 @@ def block_predictions(
     input_ids: torch.Tensor,
     valid: torch.Tensor,
     anchors: torch.Tensor,
-    target_logits: torch.Tensor,
+    target_hidden: torch.Tensor,
 ) -> BlockPredictions:
     """features [R, L, m·d_t] (target hidden states), input_ids [R, L], valid [R, L] bool, anchors [R, A]
-    (positions that have a next token), target_logits [R, L, V] (the target's next-token logits at each position).
+    (positions that have a next token), target_hidden [R, L, d_t] (the target's final normed hidden state; its LM
+    head is applied only at the block slots).
     """
     gamma = draft.config.block_size
     R, L = input_ids.shape
@@ -84,10 +85,12 @@ def block_predictions(
     if draft.sequential_head is not None:
         bias, feature = draft.sequential_head.teacher_forced(prev, h)
         logits = logits + bias.float()
-    V = target_logits.shape[-1]
-    t_logits = torch.gather(target_logits, 1, slot_pos.clamp_max(L - 1).reshape(R, -1, 1).expand(-1, -1, V))
+    d = target_hidden.shape[-1]
+    t_hidden = torch.gather(target_hidden, 1, slot_pos.clamp_max(L - 1).reshape(R, -1, 1).expand(-1, -1, d))
+    with torch.no_grad():
+        t_logits = draft.lm_head(t_hidden.to(draft.dtype)).float().view(R, A, gamma, -1)
     conf = draft.confidence.logit(h, feature).float() if draft.confidence is not None else None
-    return BlockPredictions(logits, t_logits.view(R, A, gamma, V), labels, has_label, conf)
+    return BlockPredictions(logits, t_logits, labels, has_label, conf)
 
 
 class DSparkTrainingModule(nn.Module):
@@ -99,10 +102,10 @@ class DSparkTrainingModule(nn.Module):
         self.draft = draft
         self.weights = weights or LossWeights()
 
-    def forward(self, features, input_ids, valid, anchors, target_logits) -> dict[str, torch.Tensor]:
+    def forward(self, features, input_ids, valid, anchors, target_hidden) -> dict[str, torch.Tensor]:
         """Arguments as :func:`block_predictions`. Returns the weighted ``loss``, its components, and per-position
         acceptance estimates ``accept`` [γ] (mean soft label) and ``greedy_accept`` [γ] (argmaxes agree)."""
-        pred = block_predictions(self.draft, features, input_ids, valid, anchors, target_logits)
+        pred = block_predictions(self.draft, features, input_ids, valid, anchors, target_hidden)
         gamma = self.draft.config.block_size
         logp_d = F.log_softmax(pred.logits, -1)
         p_d, p_t = logp_d.exp(), F.softmax(pred.target_logits.float(), -1)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..modeling_dspark import DSparkDraftModel
+from .features import FeatureCache, target_outputs
 from .losses import DSparkTrainingModule, LossWeights
 
 
@@ -55,7 +56,7 @@ def _lr_lambda(cfg: TrainConfig):
 
 
 def make_batch(rows: list[dict], cfg: TrainConfig, gen: torch.Generator, pad_id: int = 0):
-    """Pick ``batch_size`` sequences and ``anchors`` anchors in each answer -> (input_ids, valid, anchors)."""
+    """Pick ``batch_size`` sequences and ``anchors`` anchors in each answer -> (input_ids, valid, anchors, rows)."""
     idx = torch.randint(len(rows), (cfg.batch_size,), generator=gen).tolist()
     seqs = [(rows[i]["prompt_ids"] + rows[i]["response_ids"])[: cfg.max_length] for i in idx]
     starts = [min(len(rows[i]["prompt_ids"]), len(s) - 2) for i, s in zip(idx, seqs, strict=True)]
@@ -69,15 +70,20 @@ def make_batch(rows: list[dict], cfg: TrainConfig, gen: torch.Generator, pad_id:
         # anchors: the last prompt token onwards (the first block predicts the answer's first token)
         lo, hi = max(start - 1, 1), len(s) - 1
         anchors[r] = torch.randint(lo, hi, (cfg.anchors,), generator=gen)
-    return input_ids, valid, anchors
+    return input_ids, valid, anchors, idx
 
 
-@torch.no_grad()
-def target_outputs(target, draft: DSparkDraftModel, input_ids: torch.Tensor, valid: torch.Tensor):
-    """Frozen target forward -> (features [R, L, m·d_t], next-token logits [R, L, V])."""
-    out = target(input_ids=input_ids, attention_mask=valid.long(), output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1] for i in draft.config.target_layer_ids], dim=-1)
-    return feats, out.logits
+def batch_target_outputs(target, draft, rows, idx, input_ids, valid, cache: FeatureCache | None, cfg):
+    """(features [R, L, m·d_t], final hidden [R, L, d_t]) for a batch: from the cache row by row, or online."""
+    if cache is None:
+        return target_outputs(target, draft.config.target_layer_ids, input_ids, valid)
+    got = [cache.get(rows[i], cfg.max_length, input_ids.device) for i in idx]
+    L = input_ids.shape[1]
+    feats = torch.zeros(len(idx), L, got[0][0].shape[-1], device=input_ids.device, dtype=draft.dtype)
+    final = torch.zeros(len(idx), L, got[0][1].shape[-1], device=input_ids.device, dtype=draft.dtype)
+    for r, (f, h) in enumerate(got):
+        feats[r, : f.shape[0]], final[r, : h.shape[0]] = f, h
+    return feats, final
 
 
 def _latest_checkpoint(out_dir: Path) -> Path | None:
@@ -95,12 +101,14 @@ def train(
     progress: bool = True,
     log=print,
     stop_at: int | None = None,
+    feature_cache: str | Path | None = None,
 ) -> DSparkDraftModel:
     """Train ``draft`` (attached to the frozen ``target``) on regenerated ``rows``; resume from ``out_dir``.
 
     Writes ``checkpoint-<step>/`` (accelerate state + ``step.json``) every ``save_every`` steps and the final
     draft (``save_pretrained``) to ``out_dir/final``. ``stop_at`` ends this run early at that step (after saving a
-    checkpoint) without changing the schedule, so a later call resumes as if never stopped. Returns the draft.
+    checkpoint) without changing the schedule, so a later call resumes as if never stopped. ``feature_cache``, a
+    folder, stores the target's features per row so later epochs skip the target forward. Returns the draft.
     """
     from accelerate import Accelerator
     from tqdm.auto import tqdm
@@ -115,6 +123,7 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
     module, opt, sched = acc.prepare(module, opt, sched)
     target.to(acc.device)
+    cache = FeatureCache(feature_cache, target, draft.config.target_layer_ids) if feature_cache else None
 
     start = 0
     latest = _latest_checkpoint(out_dir)
@@ -128,10 +137,11 @@ def train(
     t0 = time.time()
     for step in bar:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + acc.process_index)
-        input_ids, valid, anchors = (t.to(acc.device) for t in make_batch(rows, cfg, gen))
-        feats, t_logits = target_outputs(target, draft, input_ids, valid)
+        input_ids, valid, anchors, idx = make_batch(rows, cfg, gen)
+        input_ids, valid, anchors = input_ids.to(acc.device), valid.to(acc.device), anchors.to(acc.device)
+        feats, final = batch_target_outputs(target, draft, rows, idx, input_ids, valid, cache, cfg)
         with acc.autocast():
-            out = module(feats, input_ids, valid, anchors, t_logits)
+            out = module(feats, input_ids, valid, anchors, final)
         acc.backward(out["loss"])
         if cfg.grad_clip:
             acc.clip_grad_norm_(params, cfg.grad_clip)
