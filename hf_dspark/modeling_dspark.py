@@ -313,7 +313,10 @@ class DSparkDraftModel(PreTrainedModel):
         return draft.attach(target)
 
     def _copy_target_layers(self, target: nn.Module) -> None:
-        layers = target.get_decoder().layers
+        decoder = target.get_decoder()
+        if getattr(decoder, "norm", None) is not None and decoder.norm.weight.shape == self.norm.weight.shape:
+            self.norm.weight.data.copy_(decoder.norm.weight)  # the shared LM head expects the target's final norm
+        layers = decoder.layers
         top = layers[len(layers) - len(self.layers) :]
         for mine, theirs in zip(self.layers, top, strict=True):
             theirs_sd = theirs.state_dict()

@@ -62,7 +62,7 @@ def main() -> None:
         with log.open("a") as f:
             f.write(line + "\n")
 
-    train(target, draft, rows, out, cfg, log=write)
+    train(target, draft, rows, out, cfg, log=write, feature_cache=STATE / "features")
     print(json.dumps({"done": True}))
 
 
