@@ -29,6 +29,7 @@ class DSparkConfig(PretrainedConfig):
         verify_mode: ``auto`` (``scheduled`` with a confidence head, else ``fixed``), ``fixed`` (verify all γ),
             ``threshold`` (the prefix with c_k ≥ ``confidence_threshold``), ``scheduled`` (Algorithm 1 with the
             target's SPS profile) or ``async`` (capacity from confidences two rounds old, filled by current ones).
+        verify_limit: at most this many draft tokens verified per row and round, in every mode (``None``: γ).
     Training:
         loss_decay: position weights w_k = exp(-(k-1)/loss_decay); ``None`` means γ.
     """
@@ -62,6 +63,7 @@ class DSparkConfig(PretrainedConfig):
         loss_decay: float | None = None,
         verify_mode: str = "auto",
         confidence_threshold: float = 0.5,
+        verify_limit: int | None = None,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -90,6 +92,7 @@ class DSparkConfig(PretrainedConfig):
         self.loss_decay = loss_decay
         self.verify_mode = verify_mode
         self.confidence_threshold = confidence_threshold
+        self.verify_limit = verify_limit
         self.initializer_range = initializer_range
         # `generate` compares vocab sizes of target and assistant before it reaches us: keep this one honest.
         kwargs.setdefault("vocab_size", target_vocab_size)
@@ -129,6 +132,8 @@ class DSparkConfig(PretrainedConfig):
         modes = ("auto", "fixed", "threshold", "scheduled", "async")
         if self.verify_mode not in modes:
             raise ValueError(f"verify_mode must be one of {modes}, got {self.verify_mode!r}")
+        if self.verify_limit is not None and self.verify_limit < 0:
+            raise ValueError(f"verify_limit must be >= 0, got {self.verify_limit}")
         if not 0 <= self.confidence_threshold <= 1:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.target_vocab_size is not None and self.mask_token_id is not None:

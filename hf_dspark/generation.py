@@ -300,7 +300,8 @@ def dspark_decode(
 
     # --- rounds -------------------------------------------------------------------------------------------------
     while not all(finished):
-        caps = [0 if finished[r] else min(gamma, max_length - len(histories[r]) - 1) for r in range(R)]
+        limit = min(gamma, draft.config.verify_limit if draft.config.verify_limit is not None else gamma)
+        caps = [0 if finished[r] else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
         proposal = draft_block(draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample)
         lengths = choose_lengths(
             mode, proposal.confidences, caps, conf_history, sps, getattr(draft.config, "confidence_threshold", 0.5)

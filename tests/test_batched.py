@@ -117,3 +117,15 @@ def test_smollm2_batch_of_four_prompts(smollm2):
     out = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, assistant_model=draft)
     for r, ref in enumerate(refs):
         assert new_tokens(out[r, ids.shape[1] :], eos) == ref, texts[r]
+
+
+def test_verify_limit_caps_every_mode():
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8)
+    draft.config.verify_mode, draft.config.verify_limit = "fixed", 2
+    ids, mask = left_pad(PROMPTS[:2])
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft)
+    assert max(max(v) for v in draft.stats.verify_rounds) == 2
+    for r, p in enumerate(PROMPTS[:2]):
+        ref = target.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :]
+        assert out[r, ids.shape[1] :].tolist() == ref.tolist()
