@@ -1,4 +1,4 @@
-"""`hf-dspark {prepare,train,calibrate}`: thin commands over the Python API.
+"""`hf-dspark {prepare,train,calibrate,eval}`: thin commands over the Python API.
 
 ``--target embedded`` means the offline SmolLM2-135M-Instruct; anything else is passed to
 ``AutoModelForCausalLM.from_pretrained``.
@@ -89,6 +89,27 @@ def cmd_calibrate(args) -> None:
     print(json.dumps({k: report[k] for k in ("before", "after", "temperatures", "blocks")}, indent=2))
 
 
+def cmd_eval(args) -> None:
+    from .evaluation.evaluate import evaluate, markdown_table, plot_acceptance
+    from .modeling_dspark import DSparkDraftModel
+
+    target, tokenizer = load_target(args.target, args.dtype)
+    draft = DSparkDraftModel.from_pretrained(args.draft, dtype=target.dtype).attach(target)
+    if args.verify_mode:
+        draft.config.verify_mode = args.verify_mode
+    results = [
+        evaluate(target, tokenizer, draft, name, args.limit, args.max_new_tokens, temperature)
+        for name in args.datasets
+        for temperature in args.temperatures
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(results, indent=2))
+    (out / "eval.md").write_text(markdown_table(results))
+    plot_acceptance(results, out / "acceptance.png")
+    print(markdown_table(results))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hf-dspark", description="DSpark drafts: data, training, calibration")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -138,6 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="held-out regenerated rows (JSONL from `prepare`)")
     p.add_argument("--blocks", type=int, default=2000)
     p.set_defaults(func=cmd_calibrate)
+    p = sub.add_parser("eval", help="τ, per-position acceptance, verify rate and tokens/s on eval prompts")
+    common(p)
+    p.add_argument("--draft", required=True, help="a draft folder or Hub id")
+    p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"],
+                   help="names (gsm8k math500 humaneval mbpp mt-bench) or {'turns': [...]} JSONL paths")  # fmt: skip
+    p.add_argument("--limit", type=int, default=None, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 means greedy")
+    p.add_argument("--verify-mode", default=None, choices=["fixed", "threshold", "scheduled", "async"])
+    p.add_argument("--out", default="eval-results")
+    p.set_defaults(func=cmd_eval)
     return ap
 
 

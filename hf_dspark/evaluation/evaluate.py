@@ -1,0 +1,131 @@
+"""`hf-dspark eval`: acceptance length τ, per-position conditional acceptance, verify rate and speed of a draft.
+
+τ is the paper's metric: tokens committed per verification round, the bonus/correction token included. The
+conditional acceptance at position k is P(draft token k accepted | tokens 1..k-1 accepted and k was verified).
+A malformed line in a prompt file stops the run with ``file:line`` in the message (no silent skipping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..stats import DSparkStats
+
+DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
+
+
+def eval_dir() -> Path:
+    """Where the named datasets live: ``$HF_DSPARK_EVAL_DIR`` or ``../shared/data/eval`` beside the checkout."""
+    env = os.environ.get("HF_DSPARK_EVAL_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"
+
+
+def load_prompts(dataset: str, limit: int | None = None, turn: int = 0) -> list[str]:
+    """First-turn (or ``turn``) prompts from a dataset name in :data:`DATASETS` or a ``{"turns": [...]}`` JSONL path."""
+    path = Path(dataset)
+    if not path.suffix:
+        if dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {dataset!r}: use one of {DATASETS} or a path to a .jsonl file")
+        path = eval_dir() / f"{dataset}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    prompts = []
+    for n, line in enumerate(path.read_text().split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            turns = json.loads(line)["turns"]
+            prompts.append(turns[turn])
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: malformed prompt line ({type(e).__name__}: {e})") from None
+        if limit is not None and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def summarize(stats: list[DSparkStats], seconds: float = 0.0, new_tokens: int = 0) -> dict:
+    """Aggregate per-prompt stats: τ over all rounds, per-position conditional acceptance, verify rate."""
+    gamma = stats[0].block_size if stats else 0
+    merged = DSparkStats(block_size=gamma)
+    for s in stats:
+        merged.proposed += s.proposed
+        merged.accepted += s.accepted
+        merged.committed += s.committed
+    proposed = sum(merged.proposed)
+    return {
+        "prompts": len(stats),
+        "rounds": merged.rounds,
+        "tau": merged.tau,
+        "position_acceptance": merged.position_acceptance(),
+        "verify_rate": sum(merged.accepted) / proposed if proposed else None,
+        "mean_verified": proposed / merged.rounds if merged.rounds else 0.0,
+        "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
+    }
+
+
+@torch.no_grad()
+def evaluate(target, tokenizer, draft, dataset: str, limit: int | None = None, max_new_tokens: int = 128,
+             temperature: float = 0.0, progress: bool = True) -> dict:  # fmt: skip
+    """Run DSpark generation over ``dataset`` and return :func:`summarize` plus the settings."""
+    from tqdm.auto import tqdm
+
+    prompts = load_prompts(dataset, limit)
+    all_stats, seconds, tokens = [], 0.0, 0
+    for text in tqdm(prompts, desc=f"eval {dataset}", disable=not progress):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+        )["input_ids"]
+        kw = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
+        if temperature > 0:
+            kw["temperature"] = temperature
+        t0 = time.perf_counter()
+        out = target.generate(ids, assistant_model=draft, **kw)
+        seconds += time.perf_counter() - t0
+        tokens += out.shape[1] - ids.shape[1]
+        all_stats.append(draft.stats)
+    result = summarize(all_stats, seconds, tokens)
+    result.update(dataset=dataset, max_new_tokens=max_new_tokens, temperature=temperature,
+                  verify_mode=draft.config.verify_mode, block_size=draft.config.block_size)  # fmt: skip
+    return result
+
+
+def markdown_table(results: list[dict]) -> str:
+    """One row per dataset: τ, verify rate, tokens/s and the per-position acceptance curve."""
+    lines = [
+        "| dataset | T | prompts | τ | verify rate | tok/s | acceptance by position |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        curve = " ".join("-" if a is None else f"{a:.2f}" for a in r["position_acceptance"])
+        rate = "-" if r["verify_rate"] is None else f"{r['verify_rate']:.2f}"
+        tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
+        lines.append(
+            f"| {r['dataset']} | {r['temperature']} | {r['prompts']} | {r['tau']:.2f} | {rate} | {tps} | {curve} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(results: list[dict], path: str | Path) -> Path:
+    """Per-position conditional acceptance curves, one line per dataset/temperature (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        ys = [float("nan") if a is None else a for a in r["position_acceptance"]]
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{r['dataset']} T={r['temperature']}")
+    ax.set_xlabel("block position k")
+    ax.set_ylabel("P(accept k | 1..k-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,94 @@
+"""Evaluation: τ and per-position acceptance from hand-built traces; `hf-dspark eval` end to end."""
+
+import json
+
+import pytest
+from conftest import tiny_target
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+from hf_dspark import DSparkDraftModel, DSparkStats
+from hf_dspark.evaluation.evaluate import load_prompts, summarize
+
+
+def trace(proposed, accepted, committed, gamma=4):
+    s = DSparkStats(block_size=gamma)
+    for p, a, c in zip(proposed, accepted, committed, strict=True):
+        s.record(p, a, c)
+    return s
+
+
+def test_tau_and_position_acceptance_by_hand():
+    # prompt 1: rounds accept 4/4 (+bonus), 1/4, 0/4 ; prompt 2: 2/2, 3/4 (the last cut by EOS after 2 tokens)
+    s1 = trace([4, 4, 4], [4, 1, 0], [5, 2, 1])
+    s2 = trace([2, 4], [2, 3], [3, 2])
+    r = summarize([s1, s2])
+    assert r["rounds"] == 5
+    assert r["tau"] == pytest.approx((5 + 2 + 1 + 3 + 2) / 5)
+    # position 1: reached in all 5 rounds, accepted in 4 (not the 0/4 round)
+    # position 2: reached by rounds with ≥1 accepted and ℓ ≥ 2: 4 rounds (4/4, 1/4, 2/2, 3/4); accepted in 3
+    # position 3: reached by rounds with ≥2 accepted and ℓ ≥ 3: 4/4, 3/4 -> both accept
+    # position 4: reached by 4/4 and 3/4 -> 1 of 2
+    assert r["position_acceptance"] == [pytest.approx(4 / 5), pytest.approx(3 / 4), 1.0, 0.5]
+    assert r["verify_rate"] == pytest.approx(10 / 18)
+    assert r["mean_verified"] == pytest.approx(18 / 5)
+
+
+def test_unknown_dataset_and_malformed_line(tmp_path):
+    with pytest.raises(ValueError, match="unknown dataset 'gsm9k'"):
+        load_prompts("gsm9k")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"turns": ["fine"]}\n{"turn": ["oops"]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: malformed prompt line"):
+        load_prompts(str(bad))
+    assert load_prompts(str(bad), limit=2) == ["ok", "fine"]
+    assert len(load_prompts("humaneval", limit=3)) == 3
+
+
+def char_tokenizer(tmp_path):
+    """A tiny character-level tokenizer with a chat template, saved next to a tiny target."""
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + 90)] + ["\n"]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'][:40] }}\n{% endfor %}a:"
+    return fast
+
+
+def test_cli_eval_end_to_end(tmp_path):
+    from hf_dspark.cli import main
+
+    target = tiny_target("llama", vocab_size=96, eos_token_id=1)
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer(tmp_path).save_pretrained(tmp_path / "target")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.save_pretrained(tmp_path / "draft")
+    out = tmp_path / "out"
+    args = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--out", str(out)]
+    main(["eval", *args, "--datasets", "gsm8k", "mt-bench", "--limit", "2", "--max-new-tokens", "12",
+          "--verify-mode", "fixed"])  # fmt: skip
+    results = json.loads((out / "eval.json").read_text())
+    assert [(r["dataset"], r["temperature"]) for r in results] == [
+        ("gsm8k", 0.0), ("gsm8k", 1.0), ("mt-bench", 0.0), ("mt-bench", 1.0)
+    ]  # fmt: skip
+    for r in results:
+        assert r["prompts"] == 2 and r["tau"] >= 1.0 and len(r["position_acceptance"]) == 4
+        assert r["tokens_per_s"] > 0
+    md = (out / "eval.md").read_text()
+    assert md.count("\n") == 2 + 4 and "| gsm8k | 0.0 | 2 |" in md
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_refuses_a_draft_for_another_target(tmp_path):
+    from hf_dspark.cli import main
+
+    target = tiny_target("llama", vocab_size=96)
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer(tmp_path).save_pretrained(tmp_path / "target")
+    DSparkDraftModel.from_target(tiny_target("llama", hidden_size=48), block_size=4, head_rank=8).save_pretrained(
+        tmp_path / "draft"
+    )
+    with pytest.raises(ValueError, match="built for another target"):
+        main(["eval", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--limit", "1"])
