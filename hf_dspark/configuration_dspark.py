@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 HEAD_TYPES = ("none", "markov", "gated", "rnn")
+VERIFY_MODES = ("auto", "fixed", "threshold", "scheduled", "async")
 
 
 class DSparkConfig(PretrainedConfig):
@@ -129,9 +130,8 @@ class DSparkConfig(PretrainedConfig):
                 )
             if any(t <= 0 for t in self.sts_temperatures):
                 raise ValueError(f"sts_temperatures must be positive, got {self.sts_temperatures}")
-        modes = ("auto", "fixed", "threshold", "scheduled", "async")
-        if self.verify_mode not in modes:
-            raise ValueError(f"verify_mode must be one of {modes}, got {self.verify_mode!r}")
+        if self.verify_mode not in VERIFY_MODES:
+            raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {self.verify_mode!r}")
         if self.verify_limit is not None and self.verify_limit < 0:
             raise ValueError(f"verify_limit must be >= 0, got {self.verify_limit}")
         if not 0 <= self.confidence_threshold <= 1:

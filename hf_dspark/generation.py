@@ -20,6 +20,7 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from .configuration_dspark import VERIFY_MODES
 from .kernels import fused_head_step, fused_temperature, use_kernels
 from .modeling_dspark import DSparkDraftModel
 from .scheduler import SPSProfile, fill_top_k, plan_capacity, plan_verify_lengths
@@ -148,7 +149,10 @@ def draft_block(
     tokens, probs, confs = [], [], []
     prev, state = anchors, None
     for k in range(max_tokens):
-        hist = [torch.cat([h, torch.stack(tokens)[:, r]]) if tokens else h for r, h in enumerate(histories)]
+        hist = histories  # the processors see each row's history including this block's earlier tokens
+        if logits_processor and tokens:
+            so_far = torch.stack(tokens, dim=1)
+            hist = [torch.cat([h, so_far[r]]) for r, h in enumerate(histories)]
         token, p, conf, state = step(
             draft, out.logits[:, k], out.hidden_states[:, k], prev, state, hist, logits_processor, do_sample,
             temps[k] if temps else None,
@@ -166,13 +170,10 @@ def draft_block(
     )
 
 
-VERIFY_MODES = ("auto", "fixed", "threshold", "scheduled", "async")
-
-
 def resolve_verify_mode(draft: DSparkDraftModel) -> str:
     """``config.verify_mode``; ``auto`` means ``scheduled`` with a confidence head, else ``fixed``."""
-    mode = getattr(draft.config, "verify_mode", "auto")
-    if mode not in VERIFY_MODES:
+    mode = draft.config.verify_mode
+    if mode not in VERIFY_MODES:  # the config checks on construction; this catches later assignments
         raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {mode!r}")
     if mode == "auto":
         return "scheduled" if draft.confidence is not None else "fixed"
@@ -303,9 +304,7 @@ def dspark_decode(
         limit = min(gamma, draft.config.verify_limit if draft.config.verify_limit is not None else gamma)
         caps = [0 if finished[r] else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
         proposal = draft_block(draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample)
-        lengths = choose_lengths(
-            mode, proposal.confidences, caps, conf_history, sps, getattr(draft.config, "confidence_threshold", 0.5)
-        )
+        lengths = choose_lengths(mode, proposal.confidences, caps, conf_history, sps, draft.config.confidence_threshold)
         if proposal.confidences is not None:
             conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
         stats.verify_rounds.append([lengths[r] for r in range(R) if not finished[r]])
