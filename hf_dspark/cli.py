@@ -1,4 +1,4 @@
-"""`hf-dspark {prepare,train,calibrate,eval}`: thin commands over the Python API.
+"""`hf-dspark {prepare,train,calibrate,eval,bench}`: thin commands over the Python API.
 
 ``--target embedded`` means the offline SmolLM2-135M-Instruct; anything else is passed to
 ``AutoModelForCausalLM.from_pretrained``.
@@ -110,6 +110,25 @@ def cmd_eval(args) -> None:
     print(markdown_table(results))
 
 
+def cmd_bench(args) -> None:
+    from .evaluation.bench import bench, markdown_table, plot_speedups, standard_methods
+    from .modeling_dspark import DSparkDraftModel
+
+    target, tokenizer = load_target(args.target, args.dtype)
+    drafts = {}
+    for spec in args.draft:
+        label, _, path = spec.rpartition("=")
+        drafts[label or "dspark"] = DSparkDraftModel.from_pretrained(path, dtype=target.dtype).attach(target)
+    methods = standard_methods(target, drafts, tuple(args.gammas))
+    results = [bench(target, tokenizer, methods, name, args.limit, args.max_new_tokens) for name in args.datasets]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    (out / "bench.md").write_text(markdown_table(results))
+    plot_speedups(results, out / "speedup.png")
+    print(markdown_table(results))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hf-dspark", description="DSpark drafts: data, training, calibration")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -170,6 +189,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-mode", default=None, choices=["fixed", "threshold", "scheduled", "async"])
     p.add_argument("--out", default="eval-results")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("bench", help="wall-clock vs plain generate and prompt lookup, interleaved, greedy")
+    common(p)
+    p.add_argument(
+        "--draft", nargs="+", required=True, help="draft folders, optionally labelled: markov=path none=path"
+    )
+    p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gammas", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--out", default="bench-results")
+    p.set_defaults(func=cmd_bench)
     return ap
 
 

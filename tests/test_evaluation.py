@@ -92,3 +92,27 @@ def test_eval_refuses_a_draft_for_another_target(tmp_path):
     )
     with pytest.raises(ValueError, match="built for another target"):
         main(["eval", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--limit", "1"])
+
+
+def test_cli_bench_end_to_end(tmp_path):
+    from hf_dspark.cli import main
+
+    target = tiny_target("llama", vocab_size=96, eos_token_id=1)
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer(tmp_path).save_pretrained(tmp_path / "target")
+    DSparkDraftModel.from_target(target, block_size=4, head_rank=8).save_pretrained(tmp_path / "markov")
+    none = DSparkDraftModel.from_target(target, block_size=4, head_type="none", confidence_head=False)
+    none.save_pretrained(tmp_path / "none")
+    out = tmp_path / "out"
+    main(["bench", "--target", str(tmp_path / "target"), "--draft", f"markov={tmp_path / 'markov'}",
+          f"none={tmp_path / 'none'}", "--datasets", "humaneval", "--limit", "2", "--max-new-tokens", "10",
+          "--gammas", "2", "4", "8", "--out", str(out)])  # fmt: skip
+    (result,) = json.loads((out / "bench.json").read_text())
+    names = [m["method"] for m in result["methods"]]
+    assert names == ["plain", "prompt-lookup", "markov-fixed2", "markov-fixed4", "markov-scheduled",
+                     "none-fixed2", "none-fixed4"]  # fmt: skip
+    plain = result["methods"][0]
+    assert plain["speedup"] == 1.0 and plain["tau"] is None
+    assert all(m["tau"] >= 1.0 for m in result["methods"][2:]) and all(m["tok_per_s"] > 0 for m in result["methods"])
+    assert (out / "bench.md").read_text().count("| humaneval |") == 7
+    assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,128 @@
+"""`hf-dspark bench`: wall-clock comparison against what users would run instead, in one process.
+
+Every prompt runs every method back to back (A B C … per prompt, the order rotated from prompt to prompt) so
+that drift in machine speed hits all methods alike. Reported: median tokens/s over prompts, total tokens/s, and
+the speedup of each method's total time against plain ``generate``; DSpark methods also report τ. Greedy outputs
+of every method are checked against plain greedy (a mismatch is a bug and stops the run).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .evaluate import load_prompts
+
+
+@dataclass
+class Method:
+    """A named way to generate: ``run(input_ids, **generate_kwargs) -> sequences``; ``draft`` for DSpark ones."""
+
+    name: str
+    run: Callable
+    draft: object | None = None
+
+
+def standard_methods(target, drafts: dict[str, object], gammas: tuple[int, ...] = (4, 8, 16)) -> list[Method]:
+    """Plain ``generate``, transformers' prompt lookup, and for each named draft: fixed γ (≤ its block size, via
+    ``verify_limit``) and ``scheduled`` (when it has a confidence head)."""
+    methods = [
+        Method("plain", lambda ids, **kw: target.generate(ids, **kw)),
+        Method("prompt-lookup", lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=10, **kw)),
+    ]
+
+    def dspark(draft, mode, limit):
+        def run(ids, **kw):
+            draft.config.verify_mode, draft.config.verify_limit = mode, limit
+            return target.generate(ids, assistant_model=draft, **kw)
+
+        return run
+
+    for label, draft in drafts.items():
+        for g in gammas:
+            if g <= draft.config.block_size:
+                methods.append(Method(f"{label}-fixed{g}", dspark(draft, "fixed", g), draft))
+        if draft.confidence is not None:
+            methods.append(Method(f"{label}-scheduled", dspark(draft, "scheduled", None), draft))
+    return methods
+
+
+@torch.no_grad()
+def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | None = None,
+          max_new_tokens: int = 128, progress: bool = True) -> dict:  # fmt: skip
+    """Run ``methods`` interleaved over the first-turn prompts of ``dataset`` (greedy)."""
+    from tqdm.auto import tqdm
+
+    prompts = load_prompts(dataset, limit)
+    per = {m.name: {"seconds": [], "tokens": [], "committed": 0, "rounds": 0} for m in methods}
+    for i, text in enumerate(tqdm(prompts, desc=f"bench {dataset}", disable=not progress)):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+        )["input_ids"]
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]
+        outs = {}
+        for m in order:
+            t0 = time.perf_counter()
+            out = m.run(ids, max_new_tokens=max_new_tokens, do_sample=False)
+            dt = time.perf_counter() - t0
+            outs[m.name] = out
+            per[m.name]["seconds"].append(dt)
+            per[m.name]["tokens"].append(out.shape[1] - ids.shape[1])
+            if m.draft is not None:
+                per[m.name]["committed"] += sum(m.draft.stats.committed)
+                per[m.name]["rounds"] += m.draft.stats.rounds
+        reference = outs["plain"].tolist()
+        for name, out in outs.items():
+            if out.tolist() != reference:
+                raise RuntimeError(f"{name} produced a different greedy output than plain generate on prompt {i}")
+    plain_time = sum(per["plain"]["seconds"])
+    rows = []
+    for m in methods:
+        p = per[m.name]
+        rate = [t / s for t, s in zip(p["tokens"], p["seconds"], strict=True)]
+        rows.append({
+            "method": m.name,
+            "median_tok_per_s": statistics.median(rate),
+            "tok_per_s": sum(p["tokens"]) / sum(p["seconds"]),
+            "speedup": plain_time / sum(p["seconds"]),
+            "tau": p["committed"] / p["rounds"] if p["rounds"] else None,
+        })  # fmt: skip
+    return {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "methods": rows}
+
+
+def markdown_table(results: list[dict]) -> str:
+    lines = ["| dataset | method | tok/s (median) | speedup vs plain | τ |", "|---|---|---|---|---|"]
+    for r in results:
+        for m in r["methods"]:
+            tau = "-" if m["tau"] is None else f"{m['tau']:.2f}"
+            lines.append(
+                f"| {r['dataset']} | {m['method']} | {m['median_tok_per_s']:.1f} | {m['speedup']:.2f}× | {tau} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedups(results: list[dict], path) -> None:
+    """Grouped bars: speedup per method, one group per dataset (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [m["method"] for m in results[0]["methods"]]
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(results) * len(names) / 3), 4))
+    for j, name in enumerate(names):
+        xs = [i + j * width for i in range(len(results))]
+        ys = [next(m["speedup"] for m in r["methods"] if m["method"] == name) for r in results]
+        ax.bar(xs, ys, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))], [r["dataset"] for r in results])
+    ax.set_ylabel("speedup vs plain generate")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
