@@ -1,4 +1,4 @@
-"""`hf-dspark {prepare,train,calibrate,eval,bench}`: thin commands over the Python API.
+"""`hf-dspark {prepare,train,calibrate,eval,bench,export}`: thin commands over the Python API.
 
 ``--target embedded`` means the offline SmolLM2-135M-Instruct; anything else is passed to
 ``AutoModelForCausalLM.from_pretrained``.
@@ -129,6 +129,15 @@ def cmd_bench(args) -> None:
     print(markdown_table(results))
 
 
+def cmd_export(args) -> None:
+    from .compat import export_deepspec
+    from .modeling_dspark import DSparkDraftModel
+
+    target, _ = load_target(args.target, args.dtype, with_tokenizer=False)
+    draft = DSparkDraftModel.from_pretrained(args.draft, dtype=target.dtype).attach(target)
+    print(f"wrote {export_deepspec(draft, args.out)} (DeepSpec layout)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hf-dspark", description="DSpark drafts: data, training, calibration")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -201,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gammas", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--out", default="bench-results")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("export", help="write a draft in another implementation's layout (DeepSpec)")
+    common(p)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--format", default="deepspec", choices=["deepspec"])
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_export)
     return ap
 
 

@@ -23,6 +23,8 @@ class DSparkConfig(PretrainedConfig):
         head_type: ``none`` (pure parallel, DFlash-style), ``markov``, ``gated`` (gated Markov) or ``rnn``.
         head_rank (r): rank of the Markov factorisation / size of the RNN state.
         confidence_head: whether to predict c_k, the probability that slot k survives verification.
+        confidence_with_head: whether c_k also reads the head's W1[x_{k-1}] (DeepSpec's
+            ``confidence_head_with_markov``), or h_k alone.
         sts_temperatures: per-position temperatures from sequential temperature scaling (``None``: uncalibrated).
     Target identity (a draft refuses any other target):
         target_model_type, target_hidden_size, target_vocab_size, target_num_layers.
@@ -56,6 +58,7 @@ class DSparkConfig(PretrainedConfig):
         head_type: str = "markov",
         head_rank: int = 256,
         confidence_head: bool = True,
+        confidence_with_head: bool = True,
         sts_temperatures: list[float] | None = None,
         target_model_type: str | None = None,
         target_hidden_size: int | None = None,
@@ -85,6 +88,7 @@ class DSparkConfig(PretrainedConfig):
         self.head_type = head_type
         self.head_rank = head_rank
         self.confidence_head = confidence_head
+        self.confidence_with_head = confidence_with_head
         self.sts_temperatures = list(sts_temperatures) if sts_temperatures is not None else None
         self.target_model_type = target_model_type
         self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size

@@ -44,10 +44,10 @@ class GatedMarkovHead(MarkovHead):
 
     def __init__(self, vocab_size: int, hidden_size: int, rank: int):
         super().__init__(vocab_size, hidden_size, rank)
-        self.markov_gate = nn.Linear(hidden_size + rank, rank)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def _mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return e * torch.sigmoid(self.markov_gate(torch.cat([h, e], dim=-1)))
+        return e * torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
 
 
 class RNNHead(nn.Module):
@@ -97,15 +97,17 @@ def build_sequential_head(config: DSparkConfig) -> nn.Module | None:
 class ConfidenceHead(nn.Module):
     """c_k = σ(wᵀ [h_k; W1[x_{k-1}]] / T_k): probability that slot k survives verification given 1..k-1 did.
 
-    Without a sequential head the input is h_k alone. ``temperatures`` (STS, one per position) divide the logit.
+    Without a sequential head (or with ``confidence_with_head=False``) the input is h_k alone. ``temperatures``
+    (STS, one per position) divide the logit.
     """
 
     def __init__(self, hidden_size: int, feature_size: int):
         super().__init__()
+        self.feature_size = feature_size  # 0: reads h_k only
         self.confidence_head = nn.Linear(hidden_size + feature_size, 1)
 
     def logit(self, h: torch.Tensor, feature: torch.Tensor | None) -> torch.Tensor:
-        x = h if feature is None else torch.cat([h, feature], dim=-1)
+        x = h if feature is None or self.feature_size == 0 else torch.cat([h, feature], dim=-1)
         return self.confidence_head(x).squeeze(-1)
 
     @staticmethod

@@ -57,8 +57,12 @@ def fused_head_step(draft, base_logits, hidden, prev, state, temperature, sample
 
     head, conf_head = draft.sequential_head, draft.confidence
     seed = int(torch.randint(2**31 - 1, (1,)).item()) if sample else 0
-    if isinstance(head, RNNHead):
-        code, feature, state = head.code_step(prev, hidden, state)
+    if isinstance(head, RNNHead) or (conf_head is not None and conf_head.feature_size == 0):
+        # the confidence is computed beside the kernel: it reads W1[x] (RNN) or h_k alone
+        if isinstance(head, RNNHead):
+            code, feature, state = head.code_step(prev, hidden, state)
+        else:
+            feature = code = head._mix(head.markov_w1(prev), hidden)
         scores, tokens, lse, _ = lowrank_step(
             base_logits, head.markov_w2.weight, code=code, temperature=temperature, sample=sample, seed=seed
         )

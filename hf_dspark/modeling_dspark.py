@@ -153,7 +153,7 @@ class DSparkDraftModel(PreTrainedModel):
         if c.mask_token_id is None:
             self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
         self.sequential_head = build_sequential_head(c)
-        feature = c.head_rank if self.sequential_head is not None else 0
+        feature = c.head_rank if self.sequential_head is not None and c.confidence_with_head else 0
         self.confidence = ConfidenceHead(c.hidden_size, feature) if c.confidence_head else None
         self._target: _TargetRef | None = None
         self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
@@ -337,6 +337,9 @@ class DSparkDraftModel(PreTrainedModel):
         The loaded draft is not attached to a target; ``generate(assistant_model=draft)`` attaches it, or call
         :meth:`attach`.
         """
+        foreign = cls._foreign_layout(pretrained_model_name_or_path, kwargs)
+        if foreign is not None:
+            return foreign
         want_info = kwargs.pop("output_loading_info", False)
         kwargs["ignore_mismatched_sizes"] = True  # collected and reported below, with names
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
@@ -353,6 +356,35 @@ class DSparkDraftModel(PreTrainedModel):
         if problems:
             raise ValueError(f"Malformed DSpark checkpoint {pretrained_model_name_or_path}: " + "; ".join(problems))
         return (model, info) if want_info else model
+
+    @staticmethod
+    def _foreign_layout(name_or_path, kwargs: dict) -> DSparkDraftModel | None:
+        """Load checkpoints written by other DSpark implementations (DeepSpec); ``None`` for our own layout.
+
+        Raises ``ValueError`` for a config.json that is neither ours nor a layout we know."""
+        import json
+        from pathlib import Path
+
+        folder = Path(name_or_path)
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            return None  # let transformers report the missing file
+        raw = json.loads(config_file.read_text())
+        if raw.get("model_type") == "dspark":
+            return None
+        from .compat.deepspec import is_deepspec_config, load_deepspec
+
+        if is_deepspec_config(raw):
+            return load_deepspec(folder, raw, dtype=kwargs.get("dtype"))
+        raise ValueError(
+            f"{name_or_path}: unknown checkpoint layout (model_type={raw.get('model_type')!r}, "
+            f"architectures={raw.get('architectures')}); expected a DSpark draft (model_type 'dspark') or "
+            "DeepSpec's Qwen3DSparkModel layout"
+        )
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Like ``PreTrainedModel.save_pretrained``, always safetensors; the borrowed target weights are not saved."""

@@ -1,0 +1,172 @@
+"""DeepSpec's released DSpark layout (``deepseek-ai/dspark_qwen3_*_block7``), read and written.
+
+Their checkpoint is a Qwen3-style decoder saved as ``Qwen3DSparkModel``: ``layers.N.self_attn.{q,k,v,o}_proj``,
+``q_norm``/``k_norm``, ``layers.N.mlp.*``, ``fc``, ``hidden_norm``, ``norm``, ``markov_head.markov_w1/markov_w2``
+(``markov_head.gate_proj`` for the gated head), ``confidence_head.proj``, plus copies of the target's
+``embed_tokens`` and ``lm_head``. Its config is the target's Qwen3 config with ``num_hidden_layers`` set to the
+draft's depth and ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``num_target_layers``,
+``markov_rank``, ``markov_head_type`` (vanilla | gated | rnn), ``enable_confidence_head`` and
+``confidence_head_with_markov`` added. The block convention is DSpark's (anchor + γ-1 masks, γ drafts), the mask
+slots use the embedding of ``mask_token_id``, the context reads ``hidden_states[l + 1]``: all as ours.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..configuration_dspark import DSparkConfig
+
+ARCHITECTURE = "Qwen3DSparkModel"
+_HEADS_IN = {0: "none", "vanilla": "markov", "gated": "gated"}
+_RENAMES = (("markov_head.", "sequential_head."), ("confidence_head.proj.", "confidence.confidence_head."))
+
+
+def is_deepspec_config(raw: dict) -> bool:
+    return ARCHITECTURE in (raw.get("architectures") or []) or (
+        raw.get("model_type") != "dspark" and "markov_rank" in raw and "target_layer_ids" in raw
+    )
+
+
+def config_from_deepspec(raw: dict) -> DSparkConfig:
+    """Translate a DeepSpec DSpark config.json into a :class:`DSparkConfig`."""
+    rank = int(raw.get("markov_rank", 0))
+    kind = 0 if rank == 0 else str(raw.get("markov_head_type", "vanilla")).lower()
+    if kind not in _HEADS_IN:
+        raise ValueError(
+            f"DeepSpec markov_head_type {kind!r} is not supported by this loader (supported: vanilla, gated, none)"
+        )
+    rope = raw.get("rope_parameters") or {}
+    return DSparkConfig(
+        block_size=int(raw["block_size"]),
+        num_draft_layers=int(raw["num_hidden_layers"]),
+        target_layer_ids=[int(i) for i in raw["target_layer_ids"]],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+        head_dim=raw.get("head_dim"),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0)),
+        max_position_embeddings=raw.get("max_position_embeddings", 40960),
+        qk_norm=True,
+        attention_bias=raw.get("attention_bias", False),
+        mask_token_id=int(raw["mask_token_id"]),
+        head_type=_HEADS_IN[kind],
+        head_rank=max(rank, 1),
+        confidence_head=bool(raw.get("enable_confidence_head", False)),
+        confidence_with_head=bool(raw.get("confidence_head_with_markov", False)) and rank > 0,
+        target_model_type=raw.get("model_type", "qwen3"),
+        target_hidden_size=raw["hidden_size"],
+        target_vocab_size=raw["vocab_size"],
+        target_num_layers=raw.get("num_target_layers"),
+    )
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weights = {}
+        for f in files:
+            weights.update(load_file(folder / f))
+        return weights
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+    return load_file(single)
+
+
+def load_deepspec(folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
+    """Build our draft from a DeepSpec DSpark checkpoint folder (strict: every tensor must map, shapes must match)."""
+    from ..modeling_dspark import DSparkDraftModel
+
+    folder = Path(folder)
+    config = config_from_deepspec(raw)
+    theirs = _read_weights(folder)
+    mapped = {}
+    for key, value in theirs.items():
+        if key in ("embed_tokens.weight", "lm_head.weight"):
+            continue  # copies of the target's: the draft borrows the target's own at use time
+        for old, new in _RENAMES:
+            if key.startswith(old):
+                key = new + key[len(old) :]
+        mapped[key] = value
+    model = DSparkDraftModel(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(mapped))
+    unexpected = sorted(set(mapped) - set(expected))
+    shapes = [f"{k} {tuple(mapped[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+              if k in mapped and mapped[k].shape != v.shape]  # fmt: skip
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"DeepSpec checkpoint {folder} does not map onto a DSpark draft: missing {missing}, "
+            f"unexpected {unexpected}, mis-shaped {shapes}"
+        )
+    model.load_state_dict(mapped)
+    model.config.name_or_path = str(folder)
+    return model.to(dtype) if dtype is not None else model
+
+
+def export_deepspec(draft, folder: str | Path, num_anchors: int = 512) -> Path:
+    """Write ``draft`` in DeepSpec's layout (config.json + model.safetensors) so DeepSpec-compatible engines load it.
+
+    Needs a Qwen3-style draft (per-head q/k norms), a ``mask_token_id`` (DeepSpec embeds mask slots with a token of
+    the vocabulary) and an attached target (its embedding and LM head are part of DeepSpec's checkpoint).
+    """
+    c = draft.config
+    if not c.qk_norm:
+        raise ValueError("DeepSpec's layout is Qwen3-style: it needs per-head q/k norms (qk_norm=True)")
+    if c.mask_token_id is None:
+        raise ValueError("DeepSpec embeds mask slots with a vocabulary token: this draft uses a learned mask vector")
+    if c.head_type == "rnn":
+        raise ValueError("exporting the RNN head to DeepSpec's layout is not supported")
+    if not draft.is_attached:
+        raise ValueError("attach the draft to its target first: DeepSpec checkpoints carry embed_tokens and lm_head")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = {}
+    for key, value in draft.state_dict().items():
+        for theirs, ours in _RENAMES:
+            if key.startswith(ours):
+                key = theirs + key[len(ours) :]
+        weights[key] = value.detach().contiguous().cpu()
+    weights["embed_tokens.weight"] = draft._target.embed_tokens.weight.detach().cpu().contiguous()
+    weights["lm_head.weight"] = draft._target.lm_head.weight.detach().cpu().contiguous()
+    kind = {"none": None, "markov": "vanilla", "gated": "gated"}[c.head_type]
+    raw = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "max_position_embeddings": c.max_position_embeddings,
+        "attention_bias": c.attention_bias,
+        "vocab_size": c.target_vocab_size,
+        "num_hidden_layers": c.num_draft_layers,
+        "num_target_layers": c.target_num_layers,
+        "layer_types": ["full_attention"] * c.num_draft_layers,
+        "tie_word_embeddings": False,
+        "block_size": c.block_size,
+        "mask_token_id": c.mask_token_id,
+        "target_layer_ids": list(c.target_layer_ids),
+        "num_anchors": num_anchors,
+        "markov_rank": 0 if kind is None else c.head_rank,
+        "enable_confidence_head": bool(c.confidence_head),
+        "torch_dtype": str(draft.dtype).replace("torch.", ""),
+    }
+    if kind is not None:
+        raw["markov_head_type"] = kind
+    if c.confidence_head:
+        raw["confidence_head_with_markov"] = bool(c.confidence_with_head and kind is not None)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    return folder
