@@ -89,6 +89,14 @@ def cmd_calibrate(args) -> None:
     print(json.dumps({k: report[k] for k in ("before", "after", "temperatures", "blocks")}, indent=2))
 
 
+def _write_results(out: Path, name: str, results: list[dict], table: str) -> None:
+    """``<name>.json`` and ``<name>.md`` in ``out``; the table is printed too."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{name}.md").write_text(table)
+    print(table)
+
+
 def cmd_eval(args) -> None:
     from .evaluation.evaluate import evaluate, markdown_table, plot_acceptance
     from .modeling_dspark import DSparkDraftModel
@@ -102,12 +110,8 @@ def cmd_eval(args) -> None:
         for name in args.datasets
         for temperature in args.temperatures
     ]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(results, indent=2))
-    (out / "eval.md").write_text(markdown_table(results))
-    plot_acceptance(results, out / "acceptance.png")
-    print(markdown_table(results))
+    _write_results(Path(args.out), "eval", results, markdown_table(results))
+    plot_acceptance(results, Path(args.out) / "acceptance.png")
 
 
 def cmd_bench(args) -> None:
@@ -121,12 +125,8 @@ def cmd_bench(args) -> None:
         drafts[label or "dspark"] = DSparkDraftModel.from_pretrained(path, dtype=target.dtype).attach(target)
     methods = standard_methods(target, drafts, tuple(args.gammas))
     results = [bench(target, tokenizer, methods, name, args.limit, args.max_new_tokens) for name in args.datasets]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(results, indent=2))
-    (out / "bench.md").write_text(markdown_table(results))
-    plot_speedups(results, out / "speedup.png")
-    print(markdown_table(results))
+    _write_results(Path(args.out), "bench", results, markdown_table(results))
+    plot_speedups(results, Path(args.out) / "speedup.png")
 
 
 def cmd_export(args) -> None:

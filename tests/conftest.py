@@ -40,6 +40,16 @@ def tiny_target(arch: str = "llama", vocab_size: int = 96, dtype=torch.float32, 
     return model.to(dtype).eval()
 
 
+def tiny_rows(target, n: int = 12, new_tokens: int = 30) -> list[dict]:
+    """Training rows whose answers are the tiny target's own greedy continuations of random 6-token prompts."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        ids = target.generate(torch.randint(3, 96, (1, 6), generator=g), max_new_tokens=new_tokens, do_sample=False)[0]
+        rows.append({"id": str(i), "prompt_ids": ids[:6].tolist(), "response_ids": ids[6:].tolist()})
+    return rows
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(target, tokenizer) for the embedded SmolLM2-135M-Instruct, loaded once per test session."""

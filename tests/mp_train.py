@@ -5,7 +5,7 @@ import sys
 
 import torch
 from accelerate import Accelerator
-from conftest import tiny_target
+from conftest import tiny_rows, tiny_target
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.training.trainer import TrainConfig, train
@@ -15,11 +15,7 @@ acc = Accelerator(cpu=True)
 assert acc.num_processes == 2, f"expected 2 processes, got {acc.num_processes}"
 torch.set_num_threads(1)
 target = tiny_target("llama", seed=1)
-g = torch.Generator().manual_seed(0)
-rows = []
-for i in range(8):
-    ids = target.generate(torch.randint(3, 96, (1, 6), generator=g), max_new_tokens=20, do_sample=False)[0]
-    rows.append({"id": str(i), "prompt_ids": ids[:6].tolist(), "response_ids": ids[6:].tolist()})
+rows = tiny_rows(target, n=8, new_tokens=20)
 torch.manual_seed(0)
 draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
 before = draft.fc.weight.detach().clone()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_target
+from conftest import tiny_rows, tiny_target
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.training.data import load_dataset, read_prompts
@@ -15,12 +15,7 @@ from hf_dspark.training.trainer import TrainConfig, make_batch, train
 def setup():
     torch.set_num_threads(1)
     target = tiny_target("llama", seed=1)
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(12):
-        ids = target.generate(torch.randint(3, 96, (1, 6), generator=g), max_new_tokens=30, do_sample=False)[0]
-        rows.append({"id": str(i), "prompt_ids": ids[:6].tolist(), "response_ids": ids[6:].tolist()})
-    return target, rows
+    return target, tiny_rows(target)
 
 
 def _batch(target, draft, rows, seed=0, anchors=6):
