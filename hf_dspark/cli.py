@@ -1,4 +1,4 @@
-"""`hf-dspark {prepare,train,calibrate,eval,bench,export}`: thin commands over the Python API.
+"""`hf-dspark {prepare,train,calibrate,eval,bench,export,card,push}`: thin commands over the Python API.
 
 ``--target embedded`` means the offline SmolLM2-135M-Instruct; anything else is passed to
 ``AutoModelForCausalLM.from_pretrained``.
@@ -138,6 +138,32 @@ def cmd_export(args) -> None:
     print(f"wrote {export_deepspec(draft, args.out)} (DeepSpec layout)")
 
 
+def cmd_card(args) -> None:
+    from .cards import write_card
+
+    print(f"wrote {write_card(args.draft, name=args.name, target=args.target_id, license=args.license)}")
+
+
+def cmd_push(args) -> None:
+    from huggingface_hub import HfApi
+
+    from .cards import write_card
+
+    folder = Path(args.draft)
+    if not (folder / "README.md").is_file() or args.card:
+        write_card(folder, name=args.repo, target=args.target_id, license=args.license)
+    api = HfApi()
+    api.create_repo(args.repo, private=args.private, exist_ok=True)
+    info = api.upload_folder(
+        repo_id=args.repo,
+        folder_path=str(folder),
+        allow_patterns=["config.json", "model.safetensors", "README.md", "*.json"],
+        ignore_patterns=["checkpoint-*", "*.tmp"],
+        commit_message=args.message,
+    )
+    print(f"pushed {folder} to {info.commit_url}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hf-dspark", description="DSpark drafts: data, training, calibration")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -217,6 +243,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="deepspec", choices=["deepspec"])
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("card", help="write README.md (the model card) into a draft folder")
+    p.add_argument("--draft", required=True)
+    p.add_argument("--name", default=None, help="the repository name shown in the card")
+    p.add_argument("--target-id", default=None, help="the target's Hub id, for the usage snippet")
+    p.add_argument("--license", default="mit")
+    p.set_defaults(func=cmd_card)
+
+    p = sub.add_parser("push", help="upload a draft folder (config, safetensors, card) to the Hub")
+    p.add_argument("--draft", required=True)
+    p.add_argument("--repo", required=True, help="org/name")
+    p.add_argument("--target-id", default=None)
+    p.add_argument("--license", default="mit")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--card", action="store_true", help="re-render the card even if README.md exists")
+    p.add_argument("--message", default="Upload DSpark draft")
+    p.set_defaults(func=cmd_push)
     return ap
 
 

@@ -1,0 +1,72 @@
+"""Model cards for drafts: ``model_cards/dspark_draft.md`` rendered from a draft's config and its result files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from string import Template
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "dspark_draft.md"
+
+
+def _template() -> str:
+    if not TEMPLATE.is_file():
+        raise FileNotFoundError(f"the model card template {TEMPLATE} is missing (cards need a source checkout)")
+    return TEMPLATE.read_text()
+
+
+def _table(results: list[dict] | None, kind: str) -> str:
+    if not results:
+        return "Not measured yet."
+    from .evaluation import bench, evaluate
+
+    return (evaluate.markdown_table if kind == "eval" else bench.markdown_table)(results)
+
+
+def render_card(draft_dir: str | Path, name: str | None = None, target: str | None = None,
+                license: str = "mit") -> str:  # fmt: skip
+    """Render the card for the draft in ``draft_dir``. Reads ``config.json`` and, when present, ``eval.json``,
+    ``bench.json`` and ``training.json`` (``{"command", "data", "steps", ...}``) from the same folder."""
+    from .configuration_dspark import DSparkConfig
+    from .modeling_dspark import DSparkDraftModel
+
+    folder = Path(draft_dir)
+    config = DSparkConfig.from_pretrained(folder)
+    draft = DSparkDraftModel.from_pretrained(folder)
+    load = lambda f: json.loads((folder / f).read_text()) if (folder / f).is_file() else None  # noqa: E731
+    training = load("training.json")
+    if training:
+        training_text = "\n".join(f"- **{k}**: {v}" for k, v in training.items())
+    else:
+        training_text = "No training record in this folder."
+    c = config
+    return Template(_template()).substitute(
+        name=name or folder.name,
+        target=target or c.target_model_type or "unknown",
+        target_type=c.target_model_type,
+        target_layers=c.target_num_layers,
+        target_hidden=c.target_hidden_size,
+        vocab=c.target_vocab_size,
+        block_size=c.block_size,
+        draft_layers=c.num_draft_layers,
+        target_layer_ids=c.target_layer_ids,
+        head=c.head_type,
+        rank=c.head_rank,
+        confidence="a confidence head" if c.confidence_head else "no confidence head",
+        calibration="per-position temperatures " + str([round(t, 3) for t in c.sts_temperatures])
+        if c.sts_temperatures
+        else "not calibrated",
+        mask="learned mask embedding" if c.mask_token_id is None else f"token id {c.mask_token_id}",
+        params=f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M",
+        training=training_text,
+        eval=_table(load("eval.json"), "eval"),
+        bench=_table(load("bench.json"), "bench"),
+        license=license,
+    )
+
+
+def write_card(draft_dir: str | Path, **kwargs) -> Path:
+    """Write ``README.md`` (the rendered card) into ``draft_dir``."""
+    path = Path(draft_dir) / "README.md"
+    path.write_text(render_card(draft_dir, **kwargs))
+    return path

@@ -1,0 +1,33 @@
+"""Run in a subprocess by test_hub.py with HF_ENDPOINT pointing at the loopback Hub (huggingface_hub reads its
+endpoint at import): push a draft with the CLI and with push_to_hub, pull both back, generate, compare."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from conftest import tiny_target
+
+from hf_dspark import DSparkDraftModel
+from hf_dspark.cli import main
+
+work = Path(sys.argv[1])
+target = tiny_target("llama")
+draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+draft.save_pretrained(work / "draft")
+main(["push", "--draft", str(work / "draft"), "--repo", "hf-dspark-test/tiny-draft", "--target-id", "tiny-llama"])
+draft.push_to_hub("hf-dspark-test/tiny-draft-2")
+
+pulled = DSparkDraftModel.from_pretrained("hf-dspark-test/tiny-draft")
+pulled2 = DSparkDraftModel.from_pretrained("hf-dspark-test/tiny-draft-2")
+ids = torch.tensor([[5, 9, 14, 3]])
+kw = dict(max_new_tokens=12, do_sample=False)
+ref = target.generate(ids, assistant_model=draft, **kw).tolist()
+result = {
+    "same_output": target.generate(ids, assistant_model=pulled, **kw).tolist() == ref,
+    "same_output_2": target.generate(ids, assistant_model=pulled2, **kw).tolist() == ref,
+    "same_weights": all(
+        torch.equal(a, b) for a, b in zip(draft.state_dict().values(), pulled.state_dict().values(), strict=True)
+    ),
+}
+(work / "result.json").write_text(json.dumps(result))

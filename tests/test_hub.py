@@ -1,0 +1,53 @@
+"""Publishing: push to a Hub-compatible endpoint on 127.0.0.1 and load back through from_pretrained."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import tiny_target
+from hub_server import start_hub
+
+from hf_dspark import DSparkDraftModel
+from hf_dspark.cards import render_card
+
+
+def test_push_and_pull_round_trip(tmp_path):
+    server, state, url = start_hub()
+    try:
+        here = Path(__file__).parent
+        env = {**os.environ, "HF_ENDPOINT": url, "HF_TOKEN": "hf_dummy", "HF_HUB_OFFLINE": "0",
+               "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": str(here), "HF_HUB_DISABLE_XET": "1"}  # fmt: skip
+        proc = subprocess.run([sys.executable, str(here / "hub_roundtrip.py"), str(tmp_path)], env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads((tmp_path / "result.json").read_text())
+        assert result == {"same_output": True, "same_output_2": True, "same_weights": True}
+        files = state.repos["hf-dspark-test/tiny-draft"]
+        assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+        for name in ("config.json", "model.safetensors"):  # byte-identical to the local folder
+            assert files[name] == (tmp_path / "draft" / name).read_bytes()
+        assert "hf-dspark-test/tiny-draft" in files["README.md"].decode()
+        assert {"config.json", "model.safetensors"} <= set(state.repos["hf-dspark-test/tiny-draft-2"])
+    finally:
+        server.shutdown()
+
+
+def test_card_renders_config_and_results(tmp_path):
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.sts_temperatures = [1.5, 1.2, 1.1, 1.0]
+    draft.save_pretrained(tmp_path)
+    (tmp_path / "eval.json").write_text(json.dumps([{
+        "dataset": "gsm8k", "temperature": 0.0, "prompts": 30, "tau": 3.21, "verify_rate": 0.5,
+        "tokens_per_s": 25.0, "position_acceptance": [0.8, 0.7, None, None],
+    }]))  # fmt: skip
+    (tmp_path / "training.json").write_text(json.dumps({"data": "700 prompts", "steps": 1000}))
+    card = render_card(tmp_path, name="org/draft", target="org/target")
+    assert card.startswith("---\nlibrary_name: hf-dspark\nlicense: mit\nbase_model: org/target\n")
+    assert "| block size γ | 4 |" in card and "| sequential head | markov (rank 8) |" in card
+    assert "per-position temperatures [1.5, 1.2, 1.1, 1.0]" in card
+    assert "| gsm8k | 0.0 | 30 | 3.21 | 0.50 | 25.0 | 0.80 0.70 - - |" in card
+    assert "- **data**: 700 prompts" in card and "Not measured yet." in card  # no bench.json
+    assert 'DSparkDraftModel.from_pretrained("org/draft")' in card
