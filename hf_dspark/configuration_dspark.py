@@ -19,6 +19,8 @@ class DSparkConfig(PretrainedConfig):
         target_layer_ids: target layers whose outputs (``hidden_states[l + 1]``) feed the draft context.
         mask_token_id: a reserved token id of the target's vocabulary used for the mask slots; ``None`` (the
             default) uses a learned ``mask_embedding`` vector instead, which works for any target.
+        draft_offset: 0 for DSpark's convention (γ slots -> γ draft tokens, slot k proposes x_{k+1}); 1 for
+            DFlash's (the anchor slot proposes nothing: γ slots -> γ-1 drafts, slot k proposes x_k).
     Heads:
         head_type: ``none`` (pure parallel, DFlash-style), ``markov``, ``gated`` (gated Markov) or ``rnn``.
         head_rank (r): rank of the Markov factorisation / size of the RNN state.
@@ -55,6 +57,7 @@ class DSparkConfig(PretrainedConfig):
         qk_norm: bool = False,
         attention_bias: bool = False,
         mask_token_id: int | None = None,
+        draft_offset: int = 0,
         head_type: str = "markov",
         head_rank: int = 256,
         confidence_head: bool = True,
@@ -85,6 +88,7 @@ class DSparkConfig(PretrainedConfig):
         self.qk_norm = qk_norm
         self.attention_bias = attention_bias
         self.mask_token_id = mask_token_id
+        self.draft_offset = draft_offset
         self.head_type = head_type
         self.head_rank = head_rank
         self.confidence_head = confidence_head
@@ -127,10 +131,15 @@ class DSparkConfig(PretrainedConfig):
             )
         if self.head_type != "none" and self.head_rank < 1:
             raise ValueError(f"head_rank must be >= 1 for head_type={self.head_type!r}")
+        if self.draft_offset not in (0, 1):
+            raise ValueError(f"draft_offset must be 0 (DSpark) or 1 (DFlash), got {self.draft_offset}")
+        if self.block_size - self.draft_offset < 1:
+            raise ValueError("a DFlash-convention block (draft_offset=1) needs block_size >= 2")
         if self.sts_temperatures is not None:
-            if len(self.sts_temperatures) != self.block_size:
+            if len(self.sts_temperatures) != self.num_draft_tokens:
                 raise ValueError(
-                    f"sts_temperatures has {len(self.sts_temperatures)} entries, block_size is {self.block_size}"
+                    f"sts_temperatures has {len(self.sts_temperatures)} entries, "
+                    f"the draft proposes {self.num_draft_tokens} tokens per block"
                 )
             if any(t <= 0 for t in self.sts_temperatures):
                 raise ValueError(f"sts_temperatures must be positive, got {self.sts_temperatures}")
@@ -143,6 +152,11 @@ class DSparkConfig(PretrainedConfig):
         if self.target_vocab_size is not None and self.mask_token_id is not None:
             if not 0 <= self.mask_token_id < self.target_vocab_size:
                 raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Tokens proposed per block: γ for DSpark, γ - 1 for the DFlash convention."""
+        return self.block_size - self.draft_offset
 
     @property
     def num_target_features(self) -> int:

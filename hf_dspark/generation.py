@@ -126,7 +126,8 @@ def draft_block(
     logits_processor: LogitsProcessorList,
     do_sample: bool,
 ) -> Proposal:
-    """Propose ``max_tokens`` (≤ γ) tokens after each row's anchor ``histories[r][-1]`` (at ``anchor_positions``).
+    """Propose ``max_tokens`` (≤ the draft's tokens per block) tokens after each row's anchor ``histories[r][-1]``
+    (at ``anchor_positions``).
 
     One backbone forward gives U, h for all rows and slots; the sequential head then adds its bias left to right,
     each position's logits are processed exactly like the target's, and a token is chosen (argmax or sample).
@@ -144,7 +145,7 @@ def draft_block(
         mask = torch.cat([context.valid, torch.ones(R, gamma, dtype=torch.bool, device=device)], dim=1)
         mask = mask[:, None, :].expand(R, gamma, -1)
     out = draft(draft.embed_block(anchors), positions, list(zip(context.keys, context.values, strict=True)), mask)
-    temps = draft.config.sts_temperatures
+    temps, off = draft.config.sts_temperatures, draft.config.draft_offset
     step = _kernel_slot if use_kernels(draft, device, logits_processor) else _torch_slot
     tokens, probs, confs = [], [], []
     prev, state = anchors, None
@@ -153,8 +154,9 @@ def draft_block(
         if logits_processor and tokens:
             so_far = torch.stack(tokens, dim=1)
             hist = [torch.cat([h, so_far[r]]) for r, h in enumerate(histories)]
+        slot = k + off  # DFlash convention: the anchor slot proposes nothing
         token, p, conf, state = step(
-            draft, out.logits[:, k], out.hidden_states[:, k], prev, state, hist, logits_processor, do_sample,
+            draft, out.logits[:, slot], out.hidden_states[:, slot], prev, state, hist, logits_processor, do_sample,
             temps[k] if temps else None,
         )  # fmt: skip
         tokens.append(token)
@@ -185,7 +187,7 @@ def resolve_verify_mode(draft: DSparkDraftModel) -> str:
 def sps_profile(draft: DSparkDraftModel, target, rows: int) -> SPSProfile:
     """``draft.sps_profile`` if set, else measured once on the target (and cached on disk)."""
     if getattr(draft, "sps_profile", None) is None:
-        gamma = draft.config.block_size
+        gamma = draft.config.num_draft_tokens
         top = rows * (gamma + 1)
         grid = sorted({1, 2, 3, 4, 6, 8, 12, 16, top // 2, top} - {0})
         draft.sps_profile = SPSProfile.measure(target, grid=grid)
@@ -266,7 +268,7 @@ def dspark_decode(
     if cache is None:
         raise ValueError("DSpark generation needs use_cache=True (a cache the verifier can crop).")
     R, device = input_ids.shape[0], input_ids.device
-    do_sample, gamma = generation_config.do_sample, draft.config.block_size
+    do_sample, gamma = generation_config.do_sample, draft.config.num_draft_tokens
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []

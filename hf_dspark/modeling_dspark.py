@@ -359,7 +359,7 @@ class DSparkDraftModel(PreTrainedModel):
 
     @staticmethod
     def _foreign_layout(name_or_path, kwargs: dict) -> DSparkDraftModel | None:
-        """Load checkpoints written by other DSpark implementations (DeepSpec); ``None`` for our own layout.
+        """Load checkpoints written by other implementations (DeepSpec, z-lab DFlash); ``None`` for our own layout.
 
         Raises ``ValueError`` for a config.json that is neither ours nor a layout we know."""
         import json
@@ -376,14 +376,16 @@ class DSparkDraftModel(PreTrainedModel):
         raw = json.loads(config_file.read_text())
         if raw.get("model_type") == "dspark":
             return None
-        from .compat.deepspec import is_deepspec_config, load_deepspec
+        from .compat import is_deepspec_config, is_dflash_config, load_deepspec, load_dflash
 
         if is_deepspec_config(raw):
             return load_deepspec(folder, raw, dtype=kwargs.get("dtype"))
+        if is_dflash_config(raw):
+            return load_dflash(folder, raw, dtype=kwargs.get("dtype"))
         raise ValueError(
             f"{name_or_path}: unknown checkpoint layout (model_type={raw.get('model_type')!r}, "
-            f"architectures={raw.get('architectures')}); expected a DSpark draft (model_type 'dspark') or "
-            "DeepSpec's Qwen3DSparkModel layout"
+            f"architectures={raw.get('architectures')}); expected a DSpark draft (model_type 'dspark'), "
+            "DeepSpec's Qwen3DSparkModel layout or z-lab's DFlashDraftModel layout"
         )
 
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -180,3 +180,51 @@ def test_cli_export(tmp_path):
           str(tmp_path / "ds")])  # fmt: skip
     assert json.loads((tmp_path / "ds" / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
     assert DSparkDraftModel.from_pretrained(tmp_path / "ds").config.mask_token_id == MASK
+
+
+def dflash_checkpoint(folder, seed=0, num_target_layers=4):
+    """A random checkpoint in z-lab's DFlashDraftModel layout (no embedding/LM head, dflash_config)."""
+    sd = deepspec_checkpoint(folder, seed=seed)
+    sd = {k: v for k, v in sd.items() if not k.startswith(("markov_head", "confidence_head", "embed", "lm_head"))}
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": D, "intermediate_size": FF,
+        "num_attention_heads": H, "num_key_value_heads": KV, "head_dim": HD, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "vocab_size": V, "num_hidden_layers": LAYERS, "num_target_layers": num_target_layers,
+        "block_size": GAMMA, "layer_types": ["full_attention"] * LAYERS, "tie_word_embeddings": False,
+        "dflash_config": {"target_layer_ids": TARGET_LAYERS, "mask_token_id": MASK},
+    }  # fmt: skip
+    save_file(sd, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return sd
+
+
+def test_dflash_checkpoint_matches_reference_and_decodes_losslessly(tmp_path):
+    ref_sd = deepspec_checkpoint(tmp_path / "ref")  # same seed: same backbone tensors, plus embedding/LM head
+    dflash_checkpoint(tmp_path / "dflash")
+    target = target_with(ref_sd)
+    draft = DSparkDraftModel.from_pretrained(tmp_path / "dflash").attach(target)
+    c = draft.config
+    assert (c.draft_offset, c.num_draft_tokens, c.head_type, c.confidence_head) == (1, GAMMA - 1, "none", False)
+    ctx_len = 5
+    ctx_hidden = torch.randn(ctx_len, len(TARGET_LAYERS) * D, generator=torch.Generator().manual_seed(2))
+    ref_logits, _ = reference_forward(ref_sd, ctx_hidden, 7, torch.zeros(GAMMA, dtype=torch.long), ctx_len)
+    # the reference adds DeepSpec's Markov bias for previous token 0: take it back out (DFlash has no head)
+    bias = ref_sd["markov_head.markov_w1.weight"][0] @ ref_sd["markov_head.markov_w2.weight"].T
+    with torch.no_grad():
+        kv = draft.context_key_values(ctx_hidden[None], torch.arange(ctx_len)[None])
+        out = draft(draft.embed_block(torch.tensor([7])), torch.arange(ctx_len, ctx_len + GAMMA)[None], kv)
+    torch.testing.assert_close(out.logits[0], ref_logits - bias, rtol=1e-4, atol=1e-4)
+    # DFlash convention in the loop: B slots propose B-1 tokens, and greedy decoding stays exact
+    ids = torch.tensor([[5, 9, 14, 3]])
+    kw = dict(max_new_tokens=12, do_sample=False)
+    assert target.generate(ids, assistant_model=draft, **kw).tolist() == target.generate(ids, **kw).tolist()
+    assert max(draft.stats.proposed) == GAMMA - 1
+
+
+def test_dflash_checkpoint_for_another_target_is_refused(tmp_path):
+    sd = deepspec_checkpoint(tmp_path / "ref")
+    (tmp_path / "dflash").mkdir()
+    dflash_checkpoint(tmp_path / "dflash", num_target_layers=36)
+    draft = DSparkDraftModel.from_pretrained(tmp_path / "dflash")
+    with pytest.raises(ValueError, match="num_hidden_layers: draft expects 36, target has 4"):
+        target_with(sd).generate(torch.tensor([[5, 6]]), max_new_tokens=3, assistant_model=draft)

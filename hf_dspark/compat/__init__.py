@@ -1,5 +1,6 @@
 """Checkpoint layouts of other DSpark implementations: import (through ``from_pretrained``) and export."""
 
 from .deepspec import export_deepspec, is_deepspec_config, load_deepspec
+from .dflash import is_dflash_config, load_dflash
 
-__all__ = ["export_deepspec", "is_deepspec_config", "load_deepspec"]
+__all__ = ["export_deepspec", "is_deepspec_config", "is_dflash_config", "load_deepspec", "load_dflash"]

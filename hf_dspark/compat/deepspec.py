@@ -66,7 +66,7 @@ def config_from_deepspec(raw: dict) -> DSparkConfig:
     )
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -80,18 +80,15 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(single)
 
 
-def load_deepspec(folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
-    """Build our draft from a DeepSpec DSpark checkpoint folder (strict: every tensor must map, shapes must match)."""
+def load_mapped(folder: Path, config: DSparkConfig, theirs: dict, renames, layout: str, dtype=None):
+    """Rename ``theirs`` into our keys (dropping target copies), check them strictly, build the draft."""
     from ..modeling_dspark import DSparkDraftModel
 
-    folder = Path(folder)
-    config = config_from_deepspec(raw)
-    theirs = _read_weights(folder)
     mapped = {}
     for key, value in theirs.items():
         if key in ("embed_tokens.weight", "lm_head.weight"):
             continue  # copies of the target's: the draft borrows the target's own at use time
-        for old, new in _RENAMES:
+        for old, new in renames:
             if key.startswith(old):
                 key = new + key[len(old) :]
         mapped[key] = value
@@ -103,12 +100,18 @@ def load_deepspec(folder: str | Path, raw: dict, dtype: torch.dtype | None = Non
               if k in mapped and mapped[k].shape != v.shape]  # fmt: skip
     if missing or unexpected or shapes:
         raise ValueError(
-            f"DeepSpec checkpoint {folder} does not map onto a DSpark draft: missing {missing}, "
+            f"{layout} checkpoint {folder} does not map onto a DSpark draft: missing {missing}, "
             f"unexpected {unexpected}, mis-shaped {shapes}"
         )
     model.load_state_dict(mapped)
     model.config.name_or_path = str(folder)
     return model.to(dtype) if dtype is not None else model
+
+
+def load_deepspec(folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
+    """Build our draft from a DeepSpec DSpark checkpoint folder (strict: every tensor must map, shapes must match)."""
+    folder = Path(folder)
+    return load_mapped(folder, config_from_deepspec(raw), read_weights(folder), _RENAMES, "DeepSpec", dtype)
 
 
 def export_deepspec(draft, folder: str | Path, num_anchors: int = 512) -> Path:

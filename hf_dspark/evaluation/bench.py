@@ -44,7 +44,7 @@ def standard_methods(target, drafts: dict[str, object], gammas: tuple[int, ...] 
 
     for label, draft in drafts.items():
         for g in gammas:
-            if g <= draft.config.block_size:
+            if g <= draft.config.num_draft_tokens:
                 methods.append(Method(f"{label}-fixed{g}", dspark(draft, "fixed", g), draft))
         if draft.confidence is not None:
             methods.append(Method(f"{label}-scheduled", dspark(draft, "scheduled", None), draft))

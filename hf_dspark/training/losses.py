@@ -64,6 +64,8 @@ def block_predictions(
     (positions that have a next token), target_hidden [R, L, d_t] (the target's final normed hidden state; its LM
     head is applied only at the block slots).
     """
+    if draft.config.draft_offset != 0:
+        raise ValueError("training supports DSpark's block convention only (draft_offset=0)")
     gamma = draft.config.block_size
     R, L = input_ids.shape
     A = anchors.shape[1]
