@@ -50,6 +50,21 @@ def tiny_rows(target, n: int = 12, new_tokens: int = 30) -> list[dict]:
     return rows
 
 
+def char_tokenizer():
+    """A tiny character-level tokenizer (ids 3..93 for printable characters) with a chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + 90)] + ["\n"]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join without spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'][:40] }}\n{% endfor %}a:"
+    return fast
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(target, tokenizer) for the embedded SmolLM2-135M-Instruct, loaded once per test session."""

@@ -3,8 +3,7 @@
 import json
 
 import pytest
-from conftest import tiny_target
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from conftest import char_tokenizer, tiny_target
 
 from hf_dspark import DSparkDraftModel, DSparkStats
 from hf_dspark.evaluation.evaluate import load_prompts, summarize
@@ -44,25 +43,12 @@ def test_unknown_dataset_and_malformed_line(tmp_path):
     assert len(load_prompts("humaneval", limit=3)) == 3
 
 
-def char_tokenizer(tmp_path):
-    """A tiny character-level tokenizer with a chat template, saved next to a tiny target."""
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 32 + 90)] + ["\n"]
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    fast.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'][:40] }}\n{% endfor %}a:"
-    return fast
-
-
 def test_cli_eval_end_to_end(tmp_path):
     from hf_dspark.cli import main
 
     target = tiny_target("llama", vocab_size=96, eos_token_id=1)
     target.save_pretrained(tmp_path / "target")
-    char_tokenizer(tmp_path).save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.save_pretrained(tmp_path / "draft")
     out = tmp_path / "out"
@@ -86,7 +72,7 @@ def test_eval_refuses_a_draft_for_another_target(tmp_path):
 
     target = tiny_target("llama", vocab_size=96)
     target.save_pretrained(tmp_path / "target")
-    char_tokenizer(tmp_path).save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
     DSparkDraftModel.from_target(tiny_target("llama", hidden_size=48), block_size=4, head_rank=8).save_pretrained(
         tmp_path / "draft"
     )
@@ -99,7 +85,7 @@ def test_cli_bench_end_to_end(tmp_path):
 
     target = tiny_target("llama", vocab_size=96, eos_token_id=1)
     target.save_pretrained(tmp_path / "target")
-    char_tokenizer(tmp_path).save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
     DSparkDraftModel.from_target(target, block_size=4, head_rank=8).save_pretrained(tmp_path / "markov")
     none = DSparkDraftModel.from_target(target, block_size=4, head_type="none", confidence_head=False)
     none.save_pretrained(tmp_path / "none")

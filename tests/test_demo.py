@@ -1,0 +1,63 @@
+"""The Gradio demo, driven through its API with gradio_client (a tiny target, offline, on 127.0.0.1)."""
+
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import pytest
+import torch
+from conftest import char_tokenizer, tiny_target
+
+from hf_dspark import DSparkDraftModel
+
+
+@pytest.fixture(scope="module")
+def running_demo():
+    from demo.app import build_demo
+
+    target = tiny_target("llama", vocab_size=96, eos_token_id=1, max_position_embeddings=64)
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    demo = build_demo(target, tokenizer, draft)
+    demo.queue().launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    yield demo, target, tokenizer
+    demo.close()
+
+
+def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
+    from gradio_client import Client
+
+    demo, target, tokenizer = running_demo
+    assert demo.local_url.startswith("http://127.0.0.1:")
+    client = Client(demo.local_url, verbose=False)
+    plain, dspark_html, stats, chart = client.predict(
+        "hello there", False, 0.7, 16, 4, "fixed", api_name="/compare"
+    )  # fmt: skip
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello there"}], add_generation_prompt=True, return_tensors="pt"
+    )["input_ids"]
+    expected = tokenizer.decode(
+        target.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :], skip_special_tokens=True
+    )
+    assert plain == expected
+    assert "background:#c8f7c5" in dspark_html or "background:#ffd8a8" in dspark_html
+    import html
+    import re
+
+    assert html.unescape(re.sub(r"<[^>]+>", "", dspark_html)) == expected  # same text, coloured by round
+    assert "tok/s" in stats and "speedup" in stats and "τ" in stats
+    assert chart["columns"] == ["position", "acceptance"]
+    assert [row[0] for row in chart["data"]] == ["1", "2", "3", "4"]
+    assert all(0.0 <= row[1] <= 1.0 for row in chart["data"])
+
+
+def test_api_errors_are_messages_not_traces(running_demo):
+    from gradio_client import Client
+
+    demo, _, _ = running_demo
+    client = Client(demo.local_url, verbose=False)
+    with pytest.raises(Exception, match="Please enter a prompt"):
+        client.predict("   ", False, 0.7, 16, 4, "fixed", api_name="/compare")
+    with pytest.raises(Exception, match="exceeds the target's context of 64 tokens"):
+        client.predict("x" * 30, False, 0.7, 64, 4, "fixed", api_name="/compare")
