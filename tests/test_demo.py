@@ -15,7 +15,7 @@ from hf_dspark import DSparkDraftModel
 def running_demo():
     from demo.app import build_demo
 
-    target = tiny_target("llama", vocab_size=96, eos_token_id=1, max_position_embeddings=64)
+    target = tiny_target("llama", vocab_size=96, eos_token_id=1, max_position_embeddings=256)
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
@@ -59,5 +59,33 @@ def test_api_errors_are_messages_not_traces(running_demo):
     client = Client(demo.local_url, verbose=False)
     with pytest.raises(Exception, match="Please enter a prompt"):
         client.predict("   ", False, 0.7, 16, 4, "fixed", api_name="/compare")
-    with pytest.raises(Exception, match="exceeds the target's context of 64 tokens"):
-        client.predict("x" * 30, False, 0.7, 64, 4, "fixed", api_name="/compare")
+    with pytest.raises(Exception, match="exceeds the target's context of 256 tokens"):
+        client.predict("x" * 30, False, 0.7, 512, 4, "fixed", api_name="/compare")
+
+
+def test_browser_types_a_prompt_and_sees_both_outputs(running_demo, tmp_path):
+    """A person's path through the page, in headless Debian Chromium driven by Playwright (no browser download)."""
+    from playwright.sync_api import sync_playwright
+
+    demo, _, _ = running_demo
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync",
+             "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost"]  # fmt: skip
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=flags)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(demo.local_url)
+        page.locator("#prompt textarea").fill("hello there")
+        page.locator("#generate").click()
+        page.wait_for_function(
+            "document.querySelector('#stats') && document.querySelector('#stats').innerText.includes('speedup')",
+            timeout=60_000,
+        )
+        plain = page.locator("#plain textarea").input_value()
+        dspark = page.locator("#dspark").inner_text()
+        stats = page.locator("#stats").inner_text()
+        page.screenshot(path=str(tmp_path / "demo.png"), full_page=True)
+        browser.close()
+    assert plain and plain.strip() in dspark.replace("\n", "")
+    assert "tok/s" in stats and "τ" in stats
+    assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
