@@ -78,7 +78,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
         thread.start()
         return text_streamer, recorder, thread, result
 
-    def compare(prompt, sampling, temperature, max_new_tokens, gamma, mode):
+    def compare(prompt, sampling, temperature, max_new_tokens, gamma, mode, head_on=True):
         if not prompt or not prompt.strip():
             raise gr.Error("Please enter a prompt.")
         ids = tokenizer.apply_chat_template(
@@ -94,16 +94,24 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
             gen["temperature"] = float(temperature)
         draft.config.verify_mode = mode
         draft.config.verify_limit = int(gamma)
+        draft.head_enabled = bool(head_on)
         plain_text = dspark_html = ""
+
+        def live(name, recorder, t0):
+            n = sum(len(r) for r in recorder.rounds)
+            return f"generating ({name}): {n} tokens, {n / max(time.perf_counter() - t0, 1e-6):.1f} tok/s"
+
         # plain first, then DSpark: run one at a time so the speed figures don't fight over the CPU
-        streamer, _, thread, plain = stream(ids, None, gen)
+        t0 = time.perf_counter()
+        streamer, recorder, thread, plain = stream(ids, None, gen)
         for piece in streamer:
             plain_text += piece
-            yield plain_text, dspark_html, "generating (plain)…", None
+            yield plain_text, dspark_html, live("plain", recorder, t0), None
         thread.join()
+        t0 = time.perf_counter()
         streamer, recorder, thread, fast = stream(ids, draft, gen)
         for _ in streamer:
-            yield plain_text, coloured(tokenizer, recorder.rounds), "generating (DSpark)…", None
+            yield plain_text, coloured(tokenizer, recorder.rounds), live("DSpark", recorder, t0), None
         thread.join()
         n_plain = plain["out"].shape[1] - ids.shape[1]
         n_fast = fast["out"].shape[1] - ids.shape[1]
@@ -133,6 +141,8 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
                               label="γ (max draft tokens verified)")  # fmt: skip
             modes = ["fixed"] + (["threshold", "scheduled", "async"] if draft.confidence is not None else [])
             mode = gr.Dropdown(modes, value=modes[-2] if len(modes) > 1 else "fixed", label="verify mode")
+            head_on = gr.Checkbox(label="sequential head", value=draft.sequential_head is not None,
+                                  interactive=draft.sequential_head is not None)  # fmt: skip
         button = gr.Button("Generate", variant="primary", elem_id="generate")
         with gr.Row():
             plain_out = gr.Textbox(label="plain generate", lines=12, elem_id="plain")
@@ -141,7 +151,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
         stats = gr.Markdown(elem_id="stats")
         chart = gr.BarPlot(x="position", y="acceptance", title="acceptance by block position (last run)",
                            y_lim=[0, 1])  # fmt: skip
-        button.click(compare, [prompt, sampling, temperature, max_new, gamma, mode],
+        button.click(compare, [prompt, sampling, temperature, max_new, gamma, mode, head_on],
                      [plain_out, dspark_out, stats, chart], api_name="compare")  # fmt: skip
     return demo
 

@@ -93,7 +93,8 @@ def _torch_slot(draft, logits, h_k, prev, state, histories, logits_processor, do
     head, conf_head, feature, conf = draft.sequential_head, draft.confidence, None, None
     if head is not None:
         bias, feature, state = head.step(prev, h_k, state)
-        logits = logits + bias
+        if draft.head_enabled:
+            logits = logits + bias
     if conf_head is not None:
         conf = conf_head.calibrated(conf_head.logit(h_k, feature), conf_temperature)
     logits = logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype)

@@ -41,7 +41,7 @@ def use_kernels(draft, device: torch.device, logits_processor) -> bool:
     if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         return False
     head = draft.sequential_head
-    if type(head) not in (MarkovHead, RNNHead) or fused_temperature(logits_processor) is None:
+    if not draft.head_enabled or type(head) not in (MarkovHead, RNNHead) or fused_temperature(logits_processor) is None:
         return False
     try:
         import dspark_heads  # noqa: F401

@@ -158,6 +158,7 @@ class DSparkDraftModel(PreTrainedModel):
         self._target: _TargetRef | None = None
         self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
         self.sps_profile = None  # hf_dspark.scheduler.SPSProfile; measured on first scheduled generate if unset
+        self.head_enabled = True  # False: propose from the parallel backbone alone (demo toggle, ablations)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -32,7 +32,7 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     assert demo.local_url.startswith("http://127.0.0.1:")
     client = Client(demo.local_url, verbose=False)
     plain, dspark_html, stats, chart = client.predict(
-        "hello there", False, 0.7, 16, 4, "fixed", api_name="/compare"
+        "hello there", False, 0.7, 16, 4, "fixed", True, api_name="/compare"
     )  # fmt: skip
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hello there"}], add_generation_prompt=True, return_tensors="pt"
@@ -50,6 +50,9 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     assert chart["columns"] == ["position", "acceptance"]
     assert [row[0] for row in chart["data"]] == ["1", "2", "3", "4"]
     assert all(0.0 <= row[1] <= 1.0 for row in chart["data"])
+    # with the sequential head switched off the output is still the target's
+    plain_off, dspark_off, _, _ = client.predict("hello there", False, 0.7, 16, 4, "fixed", False, api_name="/compare")
+    assert plain_off == expected and html.unescape(re.sub(r"<[^>]+>", "", dspark_off)) == expected
 
 
 def test_api_errors_are_messages_not_traces(running_demo):
@@ -58,9 +61,9 @@ def test_api_errors_are_messages_not_traces(running_demo):
     demo, _, _ = running_demo
     client = Client(demo.local_url, verbose=False)
     with pytest.raises(Exception, match="Please enter a prompt"):
-        client.predict("   ", False, 0.7, 16, 4, "fixed", api_name="/compare")
+        client.predict("   ", False, 0.7, 16, 4, "fixed", True, api_name="/compare")
     with pytest.raises(Exception, match="exceeds the target's context of 256 tokens"):
-        client.predict("x" * 30, False, 0.7, 512, 4, "fixed", api_name="/compare")
+        client.predict("x" * 30, False, 0.7, 512, 4, "fixed", True, api_name="/compare")
 
 
 def test_browser_types_a_prompt_and_sees_both_outputs(running_demo, tmp_path):

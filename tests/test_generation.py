@@ -267,3 +267,39 @@ def test_draft_context_is_extended_only_with_new_positions(monkeypatch):
     stats = draft.stats
     assert projected[0] == ids.shape[1]
     assert projected[1:] == [a + 1 for a in stats.accepted[:-1]]
+
+
+def test_head_switched_off_proposes_from_the_backbone_alone():
+    from transformers.generation import LogitsProcessorList
+
+    from hf_dspark.generation import DraftContext, draft_block
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 3.0)
+    ctx = DraftContext.empty(draft, 1, torch.device("cpu"))
+    feats = torch.randn(1, 5, len(draft.config.target_layer_ids) * 32)
+    ctx.extend(draft, feats, torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool))
+    history = [torch.tensor([7, 8, 9, 10, 11, 12])]
+
+    def propose():
+        return draft_block(draft, ctx, history, torch.tensor([5]), 4, LogitsProcessorList(), False).tokens[0]
+
+    with torch.no_grad():
+        base = draft(
+            draft.embed_block(torch.tensor([12])),
+            torch.arange(5, 9)[None],
+            list(zip(ctx.keys, ctx.values, strict=True)),
+        )
+    draft.head_enabled = False
+    assert propose().tolist() == base.logits[0].argmax(-1).tolist()
+    draft.head_enabled = True
+    assert propose().tolist() != base.logits[0].argmax(-1).tolist()  # the (strong, random) head changes them
+    # and decoding stays exact either way
+    ids = _prompt(13)
+    kw = dict(max_new_tokens=16, do_sample=False)
+    ref = target.generate(ids, **kw).tolist()
+    for enabled in (True, False):
+        draft.head_enabled = enabled
+        assert target.generate(ids, assistant_model=draft, **kw).tolist() == ref
