@@ -78,6 +78,9 @@ def test_browser_types_a_prompt_and_sees_both_outputs(running_demo, tmp_path):
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=flags)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(demo.local_url)
+        page.locator("#generate").click()  # no prompt yet: a visible message, not a stack trace
+        page.get_by_text("Please enter a prompt.").first.wait_for(timeout=30_000)
+        assert "Traceback" not in page.content()
         page.locator("#prompt textarea").fill("hello there")
         page.locator("#generate").click()
         page.wait_for_function(
