@@ -1,4 +1,4 @@
-"""`hf-dspark {prepare,train,calibrate,eval,bench,export,card,push}`: thin commands over the Python API.
+"""`hf-dspark {prepare,train,calibrate,eval,bench,export,card,push,results}`: thin commands over the Python API.
 
 ``--target embedded`` means the offline SmolLM2-135M-Instruct; anything else is passed to
 ``AutoModelForCausalLM.from_pretrained``.
@@ -164,6 +164,13 @@ def cmd_push(args) -> None:
     print(f"pushed {folder} to {info.commit_url}")
 
 
+def cmd_results(args) -> None:
+    from .evaluation.readme import write_results
+
+    write_results(args.readme, args.eval, args.bench)
+    print(f"updated the results section of {args.readme}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hf-dspark", description="DSpark drafts: data, training, calibration")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -260,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--card", action="store_true", help="re-render the card even if README.md exists")
     p.add_argument("--message", default="Upload DSpark draft")
     p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser("results", help="write the README's Results section from eval/bench JSON")
+    p.add_argument("--eval", default=None, help="eval.json from `hf-dspark eval`")
+    p.add_argument("--bench", default=None, help="bench.json from `hf-dspark bench`")
+    p.add_argument("--readme", default="README.md")
+    p.set_defaults(func=cmd_results)
     return ap
 
 

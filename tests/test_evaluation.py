@@ -102,3 +102,27 @@ def test_cli_bench_end_to_end(tmp_path):
     assert all(m["tau"] >= 1.0 for m in result["methods"][2:]) and all(m["tok_per_s"] > 0 for m in result["methods"])
     assert (out / "bench.md").read_text().count("| humaneval |") == 7
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_readme_results_section_is_written_from_json(tmp_path):
+    from hf_dspark.cli import main
+
+    ctx = {"machine": "x86_64 2 cores (Linux)", "threads": 2, "device": "cpu", "dtype": "float32", "date": "2026-11-29"}
+    ev = [{"dataset": "gsm8k", "temperature": 0.0, "prompts": 30, "tau": 2.5, "verify_rate": 0.4,
+           "tokens_per_s": 20.0, "position_acceptance": [0.6, 0.5], **ctx}]  # fmt: skip
+    methods = [
+        {"method": "plain", "median_tok_per_s": 15.0, "tok_per_s": 15.0, "speedup": 1.0, "tau": None},
+        {"method": "markov-scheduled", "median_tok_per_s": 25.0, "tok_per_s": 24.0, "speedup": 1.6, "tau": 2.5},
+    ]
+    be = [{"dataset": "gsm8k", "prompts": 30, "max_new_tokens": 128, **ctx, "methods": methods}]
+    (tmp_path / "eval.json").write_text(json.dumps(ev))
+    (tmp_path / "bench.json").write_text(json.dumps(be))
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Results\n\n<!-- results:start -->\nold\n<!-- results:end -->\n\n## After\n")
+    args = ["results", "--eval", str(tmp_path / "eval.json"), "--bench", str(tmp_path / "bench.json")]
+    main([*args, "--readme", str(readme)])
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("<!-- results:end -->\n\n## After\n")
+    assert "Measured 2026-11-29 on x86_64 2 cores (Linux), 2 threads, cpu, float32" in text
+    assert "| gsm8k | 0.0 | 30 | 2.50 | 0.40 | 20.0 | 0.60 0.50 |" in text
+    assert "| gsm8k | markov-scheduled | 25.0 | 1.60× | 2.50 |" in text

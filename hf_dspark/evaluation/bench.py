@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .evaluate import load_prompts
+from .evaluate import load_prompts, run_context
 
 
 @dataclass
@@ -91,7 +91,8 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
             "speedup": plain_time / sum(p["seconds"]),
             "tau": p["committed"] / p["rounds"] if p["rounds"] else None,
         })  # fmt: skip
-    return {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "methods": rows}
+    return {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "methods": rows,
+            **run_context(target)}  # fmt: skip
 
 
 def markdown_table(results: list[dict]) -> str:

@@ -48,6 +48,19 @@ def load_prompts(dataset: str, limit: int | None = None, turn: int = 0) -> list[
     return prompts
 
 
+def run_context(target) -> dict:
+    """Where and when a measurement ran: machine, threads, device, dtype, date (kept with every result)."""
+    import platform
+
+    return {
+        "machine": f"{platform.machine()} {os.cpu_count()} cores ({platform.system()})",
+        "threads": torch.get_num_threads(),
+        "device": str(target.device),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
 def summarize(stats: list[DSparkStats], seconds: float = 0.0, new_tokens: int = 0) -> dict:
     """Aggregate per-prompt stats: τ over all rounds, per-position conditional acceptance, verify rate."""
     gamma = stats[0].block_size if stats else 0
@@ -90,7 +103,8 @@ def evaluate(target, tokenizer, draft, dataset: str, limit: int | None = None, m
         all_stats.append(draft.stats)
     result = summarize(all_stats, seconds, tokens)
     result.update(dataset=dataset, max_new_tokens=max_new_tokens, temperature=temperature,
-                  verify_mode=draft.config.verify_mode, block_size=draft.config.block_size)  # fmt: skip
+                  verify_mode=draft.config.verify_mode, block_size=draft.config.block_size,
+                  **run_context(target))  # fmt: skip
     return result
 
 
