@@ -31,19 +31,14 @@ def is_deepspec_config(raw: dict) -> bool:
     )
 
 
-def config_from_deepspec(raw: dict) -> DSparkConfig:
-    """Translate a DeepSpec DSpark config.json into a :class:`DSparkConfig`."""
-    rank = int(raw.get("markov_rank", 0))
-    kind = 0 if rank == 0 else str(raw.get("markov_head_type", "vanilla")).lower()
-    if kind not in _HEADS_IN:
-        raise ValueError(
-            f"DeepSpec markov_head_type {kind!r} is not supported by this loader (supported: vanilla, gated, none)"
-        )
+def qwen3_backbone(raw: dict) -> dict:
+    """DSparkConfig fields of a Qwen3-style draft decoder and its target's identity, from a foreign config.json.
+
+    Both DeepSpec and z-lab save the draft with the target's Qwen3 config (their drafts share its width and
+    vocabulary), so ``hidden_size``/``vocab_size`` also identify the target."""
     rope = raw.get("rope_parameters") or {}
-    return DSparkConfig(
-        block_size=int(raw["block_size"]),
+    return dict(
         num_draft_layers=int(raw["num_hidden_layers"]),
-        target_layer_ids=[int(i) for i in raw["target_layer_ids"]],
         hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"],
         num_attention_heads=raw["num_attention_heads"],
@@ -54,15 +49,30 @@ def config_from_deepspec(raw: dict) -> DSparkConfig:
         max_position_embeddings=raw.get("max_position_embeddings", 40960),
         qk_norm=True,
         attention_bias=raw.get("attention_bias", False),
+        target_model_type=raw.get("model_type", "qwen3"),
+        target_hidden_size=raw["hidden_size"],
+        target_vocab_size=raw["vocab_size"],
+        target_num_layers=raw.get("num_target_layers"),
+    )
+
+
+def config_from_deepspec(raw: dict) -> DSparkConfig:
+    """Translate a DeepSpec DSpark config.json into a :class:`DSparkConfig`."""
+    rank = int(raw.get("markov_rank", 0))
+    kind = 0 if rank == 0 else str(raw.get("markov_head_type", "vanilla")).lower()
+    if kind not in _HEADS_IN:
+        raise ValueError(
+            f"DeepSpec markov_head_type {kind!r} is not supported by this loader (supported: vanilla, gated, none)"
+        )
+    return DSparkConfig(
+        block_size=int(raw["block_size"]),
+        target_layer_ids=[int(i) for i in raw["target_layer_ids"]],
+        **qwen3_backbone(raw),
         mask_token_id=int(raw["mask_token_id"]),
         head_type=_HEADS_IN[kind],
         head_rank=max(rank, 1),
         confidence_head=bool(raw.get("enable_confidence_head", False)),
         confidence_with_head=bool(raw.get("confidence_head_with_markov", False)) and rank > 0,
-        target_model_type=raw.get("model_type", "qwen3"),
-        target_hidden_size=raw["hidden_size"],
-        target_vocab_size=raw["vocab_size"],
-        target_num_layers=raw.get("num_target_layers"),
     )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..configuration_dspark import DSparkConfig
-from .deepspec import load_mapped, read_weights
+from .deepspec import load_mapped, qwen3_backbone, read_weights
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -38,29 +38,14 @@ def config_from_dflash(raw: dict) -> DSparkConfig:
         raise ValueError("DFlash config needs mask_token_id and block_size (in dflash_config or at the top level)")
     if "sliding_attention" in (raw.get("layer_types") or []):
         raise ValueError("DFlash drafts with sliding-window layers are not supported by this loader")
-    rope = raw.get("rope_parameters") or {}
     return DSparkConfig(
         block_size=int(block),
         draft_offset=1,
-        num_draft_layers=int(raw["num_hidden_layers"]),
         target_layer_ids=[int(i) for i in layer_ids],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        head_dim=raw.get("head_dim"),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0)),
-        max_position_embeddings=raw.get("max_position_embeddings", 40960),
-        qk_norm=True,
-        attention_bias=raw.get("attention_bias", False),
+        **qwen3_backbone(raw),
         mask_token_id=int(mask),
         head_type="none",
         confidence_head=False,
-        target_model_type=raw.get("model_type", "qwen3"),
-        target_hidden_size=raw["hidden_size"],
-        target_vocab_size=raw["vocab_size"],
-        target_num_layers=raw.get("num_target_layers"),
     )
 
 
