@@ -38,10 +38,6 @@ class DSparkStats:
         """Mean tokens committed per round, bonus/correction token included (the paper's acceptance length)."""
         return sum(self.committed) / self.rounds if self.rounds else 0.0
 
-    @property
-    def verify_lengths(self) -> list[int]:
-        return list(self.proposed)
-
     def position_acceptance(self) -> list[float | None]:
         """Conditional acceptance per position k = 1..γ: P(k accepted | 1..k-1 accepted and k was verified).
 
