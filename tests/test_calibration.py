@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from hf_dspark.calibration import calibration_report, ece, roc_auc, sequential_temperature_scaling, survival
+from hf_dspark.calibration import (
+    calibration_report,
+    ece,
+    reliability_bins,
+    roc_auc,
+    sequential_temperature_scaling,
+    survival,
+)
 
 
 def test_ece_by_hand():
@@ -52,3 +59,14 @@ def test_sts_is_sequential_on_the_prefix_product():
 def test_sts_shape_error():
     with pytest.raises(ValueError, match=r"must both be \[N, γ\]"):
         sequential_temperature_scaling(torch.zeros(5, 3), torch.zeros(5, 4))
+
+
+def test_reliability_bins_by_hand():
+    probs = torch.tensor([0.05, 0.1, 0.55, 0.6, 0.95])
+    outcomes = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.0])
+    got = reliability_bins(probs, outcomes, bins=2)
+    assert [n for _, _, n in got] == [2, 3]
+    assert [p for p, _, _ in got] == pytest.approx([0.075, 0.7])
+    assert [y for _, y, _ in got] == pytest.approx([0.5, 2 / 3])
+    # empty bins are left out
+    assert len(reliability_bins(torch.tensor([0.01, 0.02]), torch.tensor([0.0, 1.0]), bins=10)) == 1

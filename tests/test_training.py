@@ -233,6 +233,7 @@ def test_cli_train_then_calibrate(setup, tmp_path):
     assert len(cfg["sts_temperatures"]) == 4 and all(t > 0 for t in cfg["sts_temperatures"])
     report = json.loads((out / "final" / "calibration.json").read_text())
     assert report["blocks"] == 40 and len(report["after"]["ece"]) == 4
+    assert (out / "final" / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the calibrated draft still loads and decodes losslessly
     draft = DSparkDraftModel.from_pretrained(out / "final")
     ids = torch.tensor([[5, 6, 7, 8]])

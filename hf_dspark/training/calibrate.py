@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..calibration import calibration_report, sequential_temperature_scaling
+from ..calibration import calibration_report, reliability_plot, sequential_temperature_scaling
 from ..modeling_dspark import DSparkDraftModel
 from .features import target_outputs
 from .losses import block_predictions
@@ -39,7 +39,7 @@ def collect_confidence_data(target, draft: DSparkDraftModel, rows: list[dict], b
 
 def calibrate_draft(target, draft_dir: str | Path, rows: list[dict], blocks: int = 2000, seed: int = 0) -> dict:
     """Fit STS temperatures on ``rows``, write them into ``draft_dir``'s config (atomically) and return the report
-    (also written to ``draft_dir/calibration.json``)."""
+    (also written to ``draft_dir/calibration.json``, with the reliability diagram ``draft_dir/reliability.png``)."""
     draft_dir = Path(draft_dir)
     draft = DSparkDraftModel.from_pretrained(draft_dir).attach(target)
     draft.config.sts_temperatures = None
@@ -52,4 +52,5 @@ def calibrate_draft(target, draft_dir: str | Path, rows: list[dict], blocks: int
     tmp.write_text(draft.config.to_json_string())
     tmp.replace(draft_dir / "config.json")
     (draft_dir / "calibration.json").write_text(json.dumps(report, indent=2))
+    reliability_plot(logits, accepted, temps, draft_dir / "reliability.png")
     return report
