@@ -28,6 +28,14 @@ def is_held_out(row: dict) -> bool:
     return zlib.crc32(row["id"].encode()) % 50 == 0
 
 
+def build_draft(target, head: str) -> DSparkDraftModel:
+    """The recipe's draft: 2 layers initialised from the target's top layers, γ = 8, rank-64 head."""
+    torch.manual_seed(0)
+    return DSparkDraftModel.from_target(
+        target, block_size=8, num_draft_layers=2, head_type=head, head_rank=64, copy_target_layers=True
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head", default="markov", choices=["markov", "none", "gated", "rnn"])
@@ -40,10 +48,7 @@ def main() -> None:
     rows = [r for r in load_dataset(args.data) if not is_held_out(r)]
     out = STATE / (args.run or f"run-{args.head}")
     target, _ = load_target()
-    torch.manual_seed(0)
-    draft = DSparkDraftModel.from_target(
-        target, block_size=8, num_draft_layers=2, head_type=args.head, head_rank=64, copy_target_layers=True
-    )
+    draft = build_draft(target, args.head)
     cfg = TrainConfig(
         steps=args.steps,
         lr=3e-3,
