@@ -263,3 +263,33 @@ def test_feature_cache_gives_the_same_training_as_online(setup, tmp_path):
     row = next(r for r in rows if fc._path(r) == files[0])
     feats, final = fc.get(row, 1024, torch.device("cpu"))
     assert feats.shape[0] == len(row["prompt_ids"]) + len(row["response_ids"]) and final.shape[-1] == 32
+
+
+@pytest.mark.parametrize("head", ["none", "markov", "rnn"])
+def test_training_forward_matches_the_decoding_forward(setup, head):
+    """What training optimises is what decoding runs: the teacher-forced block at anchor a, fed the draft's own
+    greedy proposals as the 'true' next tokens, gives the same logits as ``draft_block`` over the cached context."""
+    from transformers import LogitsProcessorList
+
+    from hf_dspark.generation import DraftContext, draft_block, target_features
+    from hf_dspark.training.losses import block_predictions
+
+    target, rows = setup
+    torch.manual_seed(4)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8).eval()
+    for p in draft.parameters():  # a random but not tiny draft, so that its argmaxes are well separated
+        p.data.normal_(0, 0.3)
+    ids = torch.tensor([rows[0]["prompt_ids"] + rows[0]["response_ids"]])[:, :20]
+    a = 12
+    with torch.no_grad():
+        hidden = target(input_ids=ids[:, :a], output_hidden_states=True).hidden_states
+        context = DraftContext.empty(draft, 1, ids.device)
+        context.extend(draft, target_features(draft, hidden), torch.arange(a)[None], torch.ones(1, a, dtype=torch.bool))
+        proposal = draft_block(draft, context, [ids[0, : a + 1]], torch.tensor([a]), 4, LogitsProcessorList(), False)
+        seq = torch.cat([ids[:, : a + 1], proposal.tokens], dim=1)  # the anchor x_a, then the draft's own tokens
+        valid = torch.ones_like(seq, dtype=torch.bool)
+        feats, final = target_outputs(target, draft.config.target_layer_ids, seq, valid)
+        pred = block_predictions(draft, feats, seq, valid, torch.tensor([[a]]), final)
+    assert pred.logits.argmax(-1)[0, 0].tolist() == proposal.tokens[0].tolist()
+    # and the confidence the scheduler sees is the one the confidence loss trains
+    torch.testing.assert_close(torch.sigmoid(pred.confidence_logits[0, 0]).double(), proposal.confidences[0])
