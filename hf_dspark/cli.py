@@ -97,16 +97,31 @@ def _write_results(out: Path, name: str, results: list[dict], table: str) -> Non
     print(table)
 
 
-def cmd_eval(args) -> None:
-    from .evaluation.evaluate import evaluate, markdown_table, plot_acceptance
+def _load_drafts(specs: list[str], target) -> dict:
+    """``["markov=path", "none=path"]`` (or bare paths, labelled ``dspark``) -> {label: draft attached to target}."""
     from .modeling_dspark import DSparkDraftModel
 
+    drafts = {}
+    for spec in specs:
+        label, _, path = spec.rpartition("=")
+        label = label or "dspark"
+        if label in drafts:
+            raise SystemExit(f"two drafts are labelled {label!r}: label them, e.g. markov=PATH none=PATH")
+        drafts[label] = DSparkDraftModel.from_pretrained(path, dtype=target.dtype).attach(target)
+    return drafts
+
+
+def cmd_eval(args) -> None:
+    from .evaluation.evaluate import evaluate, markdown_table, plot_acceptance
+
     target, tokenizer = load_target(args.target, args.dtype)
-    draft = DSparkDraftModel.from_pretrained(args.draft, dtype=target.dtype).attach(target)
-    if args.verify_mode:
-        draft.config.verify_mode = args.verify_mode
+    drafts = _load_drafts(args.draft, target)
+    for draft in drafts.values():
+        if args.verify_mode:
+            draft.config.verify_mode = args.verify_mode
     results = [
-        evaluate(target, tokenizer, draft, name, args.limit, args.max_new_tokens, temperature)
+        evaluate(target, tokenizer, draft, name, args.limit, args.max_new_tokens, temperature, label=label)
+        for label, draft in drafts.items()
         for name in args.datasets
         for temperature in args.temperatures
     ]
@@ -116,13 +131,9 @@ def cmd_eval(args) -> None:
 
 def cmd_bench(args) -> None:
     from .evaluation.bench import bench, markdown_table, plot_speedups, standard_methods
-    from .modeling_dspark import DSparkDraftModel
 
     target, tokenizer = load_target(args.target, args.dtype)
-    drafts = {}
-    for spec in args.draft:
-        label, _, path = spec.rpartition("=")
-        drafts[label or "dspark"] = DSparkDraftModel.from_pretrained(path, dtype=target.dtype).attach(target)
+    drafts = _load_drafts(args.draft, target)
     methods = standard_methods(target, drafts, tuple(args.gammas))
     results = [bench(target, tokenizer, methods, name, args.limit, args.max_new_tokens) for name in args.datasets]
     _write_results(Path(args.out), "bench", results, markdown_table(results))
@@ -222,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
     p = sub.add_parser("eval", help="τ, per-position acceptance, verify rate and tokens/s on eval prompts")
     common(p)
-    p.add_argument("--draft", required=True, help="a draft folder or Hub id")
+    p.add_argument("--draft", nargs="+", required=True,
+                   help="draft folders or Hub ids, optionally labelled: markov=path none=path")  # fmt: skip
     p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"],
                    help="names (gsm8k math500 humaneval mbpp mt-bench) or {'turns': [...]} JSONL paths")  # fmt: skip
     p.add_argument("--limit", type=int, default=None, help="prompts per dataset")

@@ -52,18 +52,20 @@ def test_cli_eval_end_to_end(tmp_path):
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.save_pretrained(tmp_path / "draft")
     out = tmp_path / "out"
-    args = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--out", str(out)]
+    DSparkDraftModel.from_target(target, block_size=4, head_type="none").save_pretrained(tmp_path / "none")
+    drafts = [f"markov={tmp_path / 'draft'}", f"none={tmp_path / 'none'}"]
+    args = ["--target", str(tmp_path / "target"), "--draft", *drafts, "--out", str(out)]
     main(["eval", *args, "--datasets", "gsm8k", "mt-bench", "--limit", "2", "--max-new-tokens", "12",
           "--verify-mode", "fixed"])  # fmt: skip
     results = json.loads((out / "eval.json").read_text())
-    assert [(r["dataset"], r["temperature"]) for r in results] == [
-        ("gsm8k", 0.0), ("gsm8k", 1.0), ("mt-bench", 0.0), ("mt-bench", 1.0)
-    ]  # fmt: skip
+    assert [(r["draft"], r["dataset"], r["temperature"]) for r in results] == [
+        (d, name, t) for d in ("markov", "none") for name in ("gsm8k", "mt-bench") for t in (0.0, 1.0)
+    ]
     for r in results:
         assert r["prompts"] == 2 and r["tau"] >= 1.0 and len(r["position_acceptance"]) == 4
         assert r["tokens_per_s"] > 0
     md = (out / "eval.md").read_text()
-    assert md.count("\n") == 2 + 4 and "| gsm8k | 0.0 | 2 |" in md
+    assert md.count("\n") == 2 + 8 and "| markov | gsm8k | 0.0 | 2 |" in md and "| none | mt-bench | 1.0 | 2 |" in md
     assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -78,6 +80,9 @@ def test_eval_refuses_a_draft_for_another_target(tmp_path):
     )
     with pytest.raises(ValueError, match="built for another target"):
         main(["eval", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--limit", "1"])
+    DSparkDraftModel.from_target(target, block_size=4, head_rank=8).save_pretrained(tmp_path / "ok")
+    with pytest.raises(SystemExit, match="two drafts are labelled 'a'"):
+        main(["eval", "--target", str(tmp_path / "target"), "--draft", f"a={tmp_path / 'ok'}", f"a={tmp_path / 'ok'}"])
 
 
 def test_cli_bench_end_to_end(tmp_path):
@@ -124,5 +129,5 @@ def test_readme_results_section_is_written_from_json(tmp_path):
     text = readme.read_text()
     assert "old" not in text and text.endswith("<!-- results:end -->\n\n## After\n")
     assert "Measured 2026-11-29 on x86_64 2 cores (Linux), 2 threads, cpu, float32" in text
-    assert "| gsm8k | 0.0 | 30 | 2.50 | 0.40 | 20.0 | 0.60 0.50 |" in text
+    assert "| dspark | gsm8k | 0.0 | 30 | 2.50 | 0.40 | 20.0 | 0.60 0.50 |" in text
     assert "| gsm8k | markov-scheduled | 25.0 | 1.60× | 2.50 |" in text

@@ -83,8 +83,9 @@ def summarize(stats: list[DSparkStats], seconds: float = 0.0, new_tokens: int = 
 
 @torch.no_grad()
 def evaluate(target, tokenizer, draft, dataset: str, limit: int | None = None, max_new_tokens: int = 128,
-             temperature: float = 0.0, progress: bool = True) -> dict:  # fmt: skip
-    """Run DSpark generation over ``dataset`` and return :func:`summarize` plus the settings."""
+             temperature: float = 0.0, progress: bool = True, label: str = "dspark") -> dict:  # fmt: skip
+    """Run DSpark generation over ``dataset`` and return :func:`summarize` plus the settings (``label`` names the
+    draft in tables and plots)."""
     from tqdm.auto import tqdm
 
     prompts = load_prompts(dataset, limit)
@@ -102,39 +103,45 @@ def evaluate(target, tokenizer, draft, dataset: str, limit: int | None = None, m
         tokens += out.shape[1] - ids.shape[1]
         all_stats.append(draft.stats)
     result = summarize(all_stats, seconds, tokens)
-    result.update(dataset=dataset, max_new_tokens=max_new_tokens, temperature=temperature,
+    result.update(draft=label, dataset=dataset, max_new_tokens=max_new_tokens, temperature=temperature,
                   verify_mode=draft.config.verify_mode, block_size=draft.config.block_size,
                   **run_context(target))  # fmt: skip
     return result
 
 
 def markdown_table(results: list[dict]) -> str:
-    """One row per dataset: τ, verify rate, tokens/s and the per-position acceptance curve."""
+    """One row per draft and dataset: τ, verify rate, tokens/s and the per-position acceptance curve."""
     lines = [
-        "| dataset | T | prompts | τ | verify rate | tok/s | acceptance by position |",
-        "|---|---|---|---|---|---|---|",
+        "| draft | dataset | T | prompts | τ | verify rate | tok/s | acceptance by position |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         curve = " ".join("-" if a is None else f"{a:.2f}" for a in r["position_acceptance"])
         rate = "-" if r["verify_rate"] is None else f"{r['verify_rate']:.2f}"
         tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
-        lines.append(
-            f"| {r['dataset']} | {r['temperature']} | {r['prompts']} | {r['tau']:.2f} | {rate} | {tps} | {curve} |"
-        )
+        cells = [r.get("draft", "dspark"), r["dataset"], r["temperature"], r["prompts"], f"{r['tau']:.2f}", rate, tps]
+        lines.append("| " + " | ".join(str(c) for c in [*cells, curve]) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot_acceptance(results: list[dict], path: str | Path) -> Path:
-    """Per-position conditional acceptance curves, one line per dataset/temperature (PNG)."""
+    """Per-position conditional acceptance curves (PNG): one line per draft, dataset and temperature; a colour per
+    dataset and temperature, a line style per draft, so a draft and its ablation read side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drafts = list(dict.fromkeys(r.get("draft", "dspark") for r in results))
+    series = list(dict.fromkeys((r["dataset"], r["temperature"]) for r in results))
+    styles = ["-", "--", ":", "-."]
     for r in results:
+        d = r.get("draft", "dspark")
         ys = [float("nan") if a is None else a for a in r["position_acceptance"]]
-        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{r['dataset']} T={r['temperature']}")
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=3, linestyle=styles[drafts.index(d) % len(styles)],
+                color=f"C{series.index((r['dataset'], r['temperature'])) % 10}",
+                label=f"{d}: {r['dataset']} T={r['temperature']}")  # fmt: skip
     ax.set_xlabel("block position k")
     ax.set_ylabel("P(accept k | 1..k-1 accepted)")
     ax.set_ylim(0, 1)
