@@ -202,8 +202,15 @@ class DSparkDraftModel(PreTrainedModel):
             raise ValueError("This DSpark draft was built for another target (" + "; ".join(wrong) + ").")
 
     def attach(self, target: nn.Module) -> DSparkDraftModel:
-        """Check ``target`` and borrow its embedding and LM head. Returns ``self``."""
+        """Check ``target`` and borrow its embedding and LM head. Returns ``self``.
+
+        The draft follows the target's floating dtype: a draft stored in bfloat16 (as shipped drafts are) and
+        attached to a float32 target is cast to float32 here, since the two exchange hidden states every round.
+        """
         self.check_target(target)
+        dtype = target.get_input_embeddings().weight.dtype
+        if dtype.is_floating_point and self.dtype != dtype:
+            self.to(dtype)
         self._target = _TargetRef(target)
         return self
 

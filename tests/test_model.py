@@ -65,6 +65,25 @@ def test_save_load_round_trip_is_exact(tmp_path, head):
     assert target.generate(ids, assistant_model=loaded, **kw).tolist() == target.generate(ids, **kw).tolist()
 
 
+def test_bf16_checkpoint_follows_the_target_dtype(tmp_path):
+    """Shipped drafts are stored in bfloat16; attached to a float32 target they run in float32, losslessly."""
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p))
+    draft.to(torch.bfloat16).save_pretrained(tmp_path)
+    loaded = DSparkDraftModel.from_pretrained(tmp_path)
+    assert loaded.dtype == torch.bfloat16  # stored precision kept until attached
+    loaded.attach(target)
+    assert loaded.dtype == torch.float32
+    ref = draft.to(torch.float32).state_dict()  # bf16 -> fp32 is exact, so the weights are the stored ones
+    assert all(torch.equal(ref[k], v) for k, v in loaded.state_dict().items())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    kw = dict(max_new_tokens=12, do_sample=False)
+    assert target.generate(ids, assistant_model=loaded, **kw).tolist() == target.generate(ids, **kw).tolist()
+
+
 def _saved(tmp_path):
     target = tiny_target("llama")
     DSparkDraftModel.from_target(target, block_size=4, head_rank=8).save_pretrained(tmp_path)
