@@ -1,0 +1,49 @@
+"""Retake docs/demo.png: the demo on the embedded default, one prompt, in headless Chromium.
+
+    PYTHONPATH=. python scripts/demo_screenshot.py [--prompt TEXT] [--out docs/demo.png]
+
+The page's defaults are used (greedy, 128 new tokens, the draft's block size, scheduled verification).
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from demo.app import build_demo, load_pair
+
+FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+         "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost"]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
+    ap.add_argument("--out", default="docs/demo.png")
+    args = ap.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    demo = build_demo(*load_pair("embedded", None))
+    demo.queue().launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=FLAGS)
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(demo.local_url)
+            page.locator("#prompt textarea").fill(args.prompt)
+            page.locator("#generate").click()
+            page.wait_for_function(
+                "document.querySelector('#stats') && document.querySelector('#stats').innerText.includes('speedup')",
+                timeout=300_000,
+            )
+            page.wait_for_timeout(1500)  # let the bar chart draw
+            page.screenshot(path=args.out, full_page=True)
+            print(page.locator("#stats").inner_text())
+            browser.close()
+    finally:
+        demo.close()
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
