@@ -28,6 +28,9 @@ class DSparkConfig(PretrainedConfig):
         confidence_with_head: whether c_k also reads the head's W1[x_{k-1}] (DeepSpec's
             ``confidence_head_with_markov``), or h_k alone.
         sts_temperatures: per-position temperatures from sequential temperature scaling (``None``: uncalibrated).
+        draft_vocab_size: propose only from a fixed subset of this many target tokens (the ``draft_vocab``
+            buffer, set with ``DSparkDraftModel.set_draft_vocab``), so the draft's LM head reads that many rows
+            instead of the whole vocabulary; ``None``: the whole vocabulary. Decoding stays lossless either way.
     Target identity (a draft refuses any other target):
         target_model_type, target_hidden_size, target_vocab_size, target_num_layers.
     Verification (may be changed on a loaded draft, e.g. ``draft.config.verify_mode = "fixed"``):
@@ -63,6 +66,7 @@ class DSparkConfig(PretrainedConfig):
         confidence_head: bool = True,
         confidence_with_head: bool = True,
         sts_temperatures: list[float] | None = None,
+        draft_vocab_size: int | None = None,
         target_model_type: str | None = None,
         target_hidden_size: int | None = None,
         target_vocab_size: int | None = None,
@@ -94,6 +98,7 @@ class DSparkConfig(PretrainedConfig):
         self.confidence_head = confidence_head
         self.confidence_with_head = confidence_with_head
         self.sts_temperatures = list(sts_temperatures) if sts_temperatures is not None else None
+        self.draft_vocab_size = draft_vocab_size
         self.target_model_type = target_model_type
         self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
         self.target_vocab_size = target_vocab_size
@@ -149,6 +154,13 @@ class DSparkConfig(PretrainedConfig):
             raise ValueError(f"verify_limit must be >= 0, got {self.verify_limit}")
         if not 0 <= self.confidence_threshold <= 1:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
+        if self.draft_vocab_size is not None and not (
+            1 <= self.draft_vocab_size <= (self.target_vocab_size or self.draft_vocab_size)
+        ):
+            raise ValueError(
+                f"draft_vocab_size must be between 1 and the vocabulary size {self.target_vocab_size}, "
+                f"got {self.draft_vocab_size}"
+            )
         if self.target_vocab_size is not None and self.mask_token_id is not None:
             if not 0 <= self.mask_token_id < self.target_vocab_size:
                 raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary")

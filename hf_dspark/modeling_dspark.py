@@ -155,6 +155,11 @@ class DSparkDraftModel(PreTrainedModel):
         self.sequential_head = build_sequential_head(c)
         feature = c.head_rank if self.sequential_head is not None and c.confidence_with_head else 0
         self.confidence = ConfidenceHead(c.hidden_size, feature) if c.confidence_head else None
+        if c.draft_vocab_size is not None:
+            self.register_buffer("draft_vocab", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_vocab = None
+        self._vocab_rows: tuple | None = None  # (key, LM-head rows of draft_vocab), rebuilt when either changes
         self._target: _TargetRef | None = None
         self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
         self.sps_profile = None  # hf_dspark.scheduler.SPSProfile; measured on first scheduled generate if unset
@@ -212,7 +217,54 @@ class DSparkDraftModel(PreTrainedModel):
         if dtype.is_floating_point and self.dtype != dtype:
             self.to(dtype)
         self._target = _TargetRef(target)
+        self._vocab_rows = None
         return self
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None) -> DSparkDraftModel:
+        """Restrict proposals to ``token_ids`` (1-D, distinct target token ids; ``None``: the whole vocabulary).
+
+        Only the draft's LM head changes: it reads ``len(token_ids)`` rows, and every other token gets logit -inf,
+        so the draft never proposes it. Verification still uses the target's full distribution, so decoding stays
+        lossless; what changes is speed (a smaller head) and how often a token outside the subset costs a
+        rejection. Training always uses the whole vocabulary. Returns ``self``.
+        """
+        if token_ids is None:
+            self._buffers.pop("draft_vocab", None)
+            self.draft_vocab, self.config.draft_vocab_size = None, None
+            self._vocab_rows = None
+            return self
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        V = self.config.target_vocab_size
+        if ids.numel() == 0:
+            raise ValueError("set_draft_vocab needs at least one token id (or None for the whole vocabulary)")
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {V}), got {int(ids.min())}..{int(ids.max())}")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("draft vocabulary ids must be distinct")
+        ids = ids.sort().values.to(self.device)
+        self._buffers.pop("draft_vocab", None)
+        self.__dict__.pop("draft_vocab", None)
+        self.register_buffer("draft_vocab", ids)
+        self.config.draft_vocab_size = ids.numel()
+        self._vocab_rows = None
+        return self
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., d] -> base logits [..., V] over the full vocabulary; with a draft vocabulary only its rows are
+        computed and every other token gets -inf."""
+        if self.draft_vocab is None:
+            return self.lm_head(h)
+        head = self._target.lm_head if self._target is not None else None
+        if head is None:
+            raise RuntimeError("This draft is not attached to a target: call draft.attach(target) first.")
+        key = (id(head), head.weight._version, head.weight.data_ptr(), self.draft_vocab.data_ptr())
+        if self._vocab_rows is None or self._vocab_rows[0] != key:
+            bias = head.bias[self.draft_vocab] if getattr(head, "bias", None) is not None else None
+            self._vocab_rows = (key, head.weight[self.draft_vocab].contiguous(), bias)
+        _, weight, bias = self._vocab_rows
+        sub = F.linear(h.to(weight.dtype), weight, bias)
+        full = sub.new_full((*sub.shape[:-1], self.config.target_vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, sub)
 
     @property
     def is_attached(self) -> bool:
@@ -273,7 +325,7 @@ class DSparkDraftModel(PreTrainedModel):
         for layer, (k, v) in zip(self.layers, context, strict=True):
             x = layer(x, block_positions, k, v, attention_mask)
         h = self.norm(x)
-        return DSparkOutput(logits=self.lm_head(h) if compute_logits else None, hidden_states=h)
+        return DSparkOutput(logits=self.draft_logits(h) if compute_logits else None, hidden_states=h)
 
     # ----- construction from a target -------------------------------------------------------------------------
 

@@ -42,6 +42,23 @@ def test_markov_step_matches_reference(R, V, r, dtype):
     assert torch.equal(tokens, ref_tokens)
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_masked_logits_with_whole_tiles_at_minus_inf(sample):
+    """A draft vocabulary sets most logits to -inf: tiles that are entirely -inf must not turn lse into NaN."""
+    R, V, r = 4, 1000, 8
+    kw = _inputs(R, V, r, torch.float32, seed=2)
+    keep = torch.zeros(V, dtype=torch.bool)
+    keep[torch.tensor([3, 4, 150, 700, 999])] = True  # tiles of 128: 1, 2, 3, 4, 6 and 7 hold nothing
+    kw["base_logits"] = kw["base_logits"].masked_fill(~keep, float("-inf"))
+    logits, tokens, lse, conf = lowrank_step(**kw, block_v=128, sample=sample, seed=3)
+    ref_logits, _, ref_lse, ref_conf = lowrank_step_reference(**kw)
+    assert lse.isfinite().all()
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits)
+    torch.testing.assert_close(conf, ref_conf)
+    assert keep[tokens].all()  # argmax and Gumbel-max samples stay inside the allowed set
+
+
 @pytest.mark.parametrize("R", [1, 5])
 def test_rnn_code_step_matches_reference(R):
     V, r = 300, 8
@@ -100,14 +117,16 @@ def test_bad_input_raises_before_launch(edit, error, message):
         lowrank_step(**kw)
 
 
-@pytest.mark.parametrize("head", ["markov", "rnn"])
-def test_greedy_generation_through_kernels_equals_torch_path(head, monkeypatch):
+@pytest.mark.parametrize(("head", "vocab"), [("markov", False), ("rnn", False), ("markov", True)])
+def test_greedy_generation_through_kernels_equals_torch_path(head, vocab, monkeypatch):
     import hf_dspark.kernels
 
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8)
     with torch.no_grad():
         draft.sequential_head.markov_w2.weight.normal_(0, 1.0)
+    if vocab:
+        draft.set_draft_vocab(torch.arange(0, 96, 3))
     ids = torch.tensor([[5, 9, 14, 3, 77]])
     monkeypatch.setenv("HF_DSPARK_KERNELS", "torch")
     torch_out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=draft)

@@ -248,3 +248,65 @@ def test_confidences_are_recorded_per_round():
     assert len(draft.stats.confidences) == draft.stats.rounds
     assert all(len(c) == p for c, p in zip(draft.stats.confidences, draft.stats.proposed, strict=True))
     assert all(0 < x < 1 for c in draft.stats.confidences for x in c)
+
+
+def test_draft_vocabulary_is_lossless_saved_and_validated(tmp_path):
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    kw = dict(max_new_tokens=24, do_sample=False)
+    ref = target.generate(ids, **kw)
+    full = target.generate(ids, assistant_model=draft, **kw)
+    vocab = torch.tensor(sorted(set(range(0, 96, 2)) | set(ref[0].tolist()[:10])))
+    draft.set_draft_vocab(vocab.flip(0))  # any order; stored sorted
+    assert torch.equal(draft.draft_vocab, vocab) and draft.config.draft_vocab_size == len(vocab)
+    # logits outside the subset are -inf, inside equal to the full head's
+    h = torch.randn(2, 3, draft.config.hidden_size)
+    sub, whole = draft.draft_logits(h), draft.lm_head(h)
+    outside = torch.ones(96, dtype=torch.bool)
+    outside[vocab] = False
+    assert sub[..., outside].eq(float("-inf")).all()
+    torch.testing.assert_close(sub[..., vocab], whole[..., vocab])
+    assert target.generate(ids, assistant_model=draft, **kw).tolist() == ref.tolist() == full.tolist()
+    # saved with the draft (a buffer in the safetensors file) and restored exactly
+    draft.save_pretrained(tmp_path)
+    loaded = DSparkDraftModel.from_pretrained(tmp_path)
+    assert torch.equal(loaded.draft_vocab, vocab) and loaded.config.draft_vocab_size == len(vocab)
+    assert target.generate(ids, assistant_model=loaded, **kw).tolist() == ref.tolist()
+    # training still sees the whole vocabulary (no -inf logits for labels outside the subset)
+    from hf_dspark.training.features import target_outputs
+    from hf_dspark.training.losses import block_predictions
+
+    seq = ref[:, :20]
+    valid = torch.ones_like(seq, dtype=torch.bool)
+    feats, final = target_outputs(target, loaded.config.target_layer_ids, seq, valid)
+    assert block_predictions(loaded, feats, seq, valid, torch.tensor([[4, 9]]), final).logits.isfinite().all()
+    # back to the whole vocabulary
+    loaded.set_draft_vocab(None)
+    assert loaded.draft_vocab is None and loaded.config.draft_vocab_size is None
+    assert "draft_vocab" not in loaded.state_dict()
+    assert target.generate(ids, assistant_model=loaded, **kw).tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [([], "at least one token id"), ([3, 3], "distinct"), ([5, 96], r"lie in \[0, 96\)"), ([-1], r"lie in \[0")],
+)
+def test_draft_vocabulary_errors(ids, message):
+    draft = DSparkDraftModel.from_target(tiny_target("llama"), block_size=4, head_rank=8)
+    with pytest.raises(ValueError, match=message):
+        draft.set_draft_vocab(ids)
+    with pytest.raises(ValueError, match="draft_vocab_size must be between 1 and the vocabulary size 96"):
+        DSparkConfig(target_vocab_size=96, draft_vocab_size=97)
+
+
+def test_frequent_tokens_by_hand():
+    from hf_dspark.training.data import frequent_tokens
+
+    rows = [{"response_ids": [5, 5, 7, 9]}, {"response_ids": [7, 5, 2, 9, 9]}]
+    # counts: 5 -> 3, 9 -> 3, 7 -> 2, 2 -> 1; ties broken by the lower id
+    assert frequent_tokens(rows, 2).tolist() == [5, 9]
+    assert frequent_tokens(rows, 3, always=[0]).tolist() == [0, 5, 7, 9]

@@ -150,3 +150,32 @@ def test_broken_acceptance_rule_is_detected(target, monkeypatch):
     probs = exact_distribution(target, _processors(kw["temperature"]))
     counts = sample_counts(target, draft, kw, n=600)
     assert chi_square_pvalue(counts, probs) < 1e-6
+
+
+def test_sampling_is_lossless_with_a_draft_vocabulary(target, monkeypatch):
+    """A draft restricted to tokens {0, 2, 3} never proposes another token, and the samples still follow the
+    target's distribution (which puts mass on all six tokens)."""
+    kw = CASES["top-k-top-p"]
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
+    draft.config.verify_mode = "fixed"
+    torch.manual_seed(5)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 2.0)
+    draft.set_draft_vocab([3, 0, 2])
+    proposed = set()
+    original = hf_dspark.generation.draft_block
+
+    def spy(*args, **kwargs):
+        proposal = original(*args, **kwargs)
+        proposed.update(proposal.tokens.flatten().tolist())
+        if proposal.tokens.numel():
+            assert proposal.probs[..., [1, 4, 5]].abs().max() == 0  # q is exactly zero outside the subset
+        return proposal
+
+    monkeypatch.setattr(hf_dspark.generation, "draft_block", spy)
+    probs = exact_distribution(target, _processors(kw["temperature"], kw["top_k"], kw["top_p"]))
+    counts = sample_counts(target, draft, kw)
+    assert proposed <= {0, 2, 3} and len(proposed) > 1
+    assert chi_square_pvalue(counts, probs) > ALPHA
+    assert {t for k in counts for t in k} - {0, 2, 3}  # the target's own tokens outside the subset appear
+    assert 0 < draft.seen["accepted"] < draft.seen["proposed"]

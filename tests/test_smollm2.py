@@ -54,3 +54,23 @@ def test_draft_with_layers_copied_from_the_target(smollm2):
     ids = chat_ids(tokenizer, eval_prompts(1)[0])
     ref = target.generate(ids, max_new_tokens=32, do_sample=False)
     assert target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=draft).tolist() == ref.tolist()
+
+
+def test_shipped_draft_loads_offline_and_matches_greedy_on_five_prompts(monkeypatch):
+    """The trained draft in the package: loads with the Hub switched off, stays small, and decodes losslessly."""
+    from hf_dspark import embedded
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert embedded.has_shipped_draft(), f"the trained draft must ship in {embedded.DRAFT_DIR}"
+    assert sum(f.stat().st_size for f in embedded.DRAFT_DIR.iterdir()) <= 40 * 2**20
+    target, tokenizer, draft = embedded.load()
+    assert draft.config.head_type == "markov" and draft.dtype == target.dtype == torch.float32
+    assert len(draft.config.sts_temperatures) == draft.config.block_size  # calibrated
+    committed = rounds = 0
+    for text in eval_prompts(1):  # one per eval set: 5 prompts
+        ids = chat_ids(tokenizer, text)
+        ref = target.generate(ids, max_new_tokens=48, do_sample=False)
+        out = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=draft)
+        assert out.tolist() == ref.tolist(), text[:80]
+        committed, rounds = committed + sum(draft.stats.committed), rounds + draft.stats.rounds
+    assert committed / rounds > 1.0  # trained: some draft tokens are accepted (an untrained draft gives 1.0)

@@ -171,3 +171,13 @@ def regenerate(
     if not todo:
         warnings.warn(f"nothing to regenerate: every prompt is already in {out_path}", stacklevel=2)
     return out_path
+
+
+def frequent_tokens(rows: Iterable[dict], size: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """The ``size`` most frequent answer tokens of regenerated ``rows`` (ties: lower id first), plus ``always``
+    (e.g. EOS and other special tokens) -> sorted ids [≤ size + len(always)], for ``draft.set_draft_vocab``."""
+    from collections import Counter
+
+    counts = Counter(t for row in rows for t in row["response_ids"])
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    return torch.tensor(sorted(set(ranked) | set(always)), dtype=torch.long)

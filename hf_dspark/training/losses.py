@@ -80,9 +80,9 @@ def block_predictions(
     positions = torch.arange(L, device=input_ids.device).expand(R, L)
     context = draft.context_key_values(features.to(draft.dtype), positions)
     embeds = draft.embed_block(input_ids.gather(1, anchors)).reshape(R, A * gamma, -1)
-    out = draft(embeds, slot_pos.reshape(R, -1), context, block_attention_mask(anchors, valid, gamma))
+    out = draft(embeds, slot_pos.reshape(R, -1), context, block_attention_mask(anchors, valid, gamma), False)
     h = out.hidden_states.view(R, A, gamma, -1)
-    logits = out.logits.view(R, A, gamma, -1).float()
+    logits = draft.lm_head(h).float()  # the whole vocabulary, even when decoding uses a draft vocabulary
     feature = None
     if draft.sequential_head is not None:
         bias, feature = draft.sequential_head.teacher_forced(prev, h)

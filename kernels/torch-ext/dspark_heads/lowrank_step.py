@@ -78,7 +78,8 @@ def _lowrank_step_kernel(
     tl.store(out_ptr + row.to(tl.int64) * V + offs_v, x, mask=vmask)
 
     m = tl.max(x, axis=0)
-    s = tl.sum(tl.exp(x - m), axis=0)
+    # a tile may be all -inf (a draft vocabulary masks most of the vocabulary): its Σexp is 0, not exp(nan)
+    s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
     best_val, best_idx = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     if SAMPLE:
         r = tl.rand(seed, row * V + offs_v)
@@ -104,7 +105,7 @@ def _lowrank_step_kernel(
         ms = tl.load(parts + 0, mask=tmask, other=float("-inf"))
         ss = tl.load(parts + 1, mask=tmask, other=0.0)
         big = tl.max(ms, axis=0)
-        total = tl.sum(ss * tl.exp(ms - big), axis=0)
+        total = tl.sum(tl.where(ms == float("-inf"), 0.0, ss * tl.exp(ms - big)), axis=0)
         tl.store(lse_ptr + row, big + tl.log(total))
         if SAMPLE:
             vals = tl.load(parts + 4, mask=tmask, other=float("-inf"))
