@@ -149,6 +149,10 @@ def test_export_refusals(tmp_path):
     qwen = tiny_target("qwen3")
     with pytest.raises(ValueError, match="learned mask vector"):
         export_deepspec(DSparkDraftModel.from_target(qwen, block_size=4, head_rank=8), tmp_path)
+    restricted = DSparkDraftModel.from_target(qwen, block_size=4, head_rank=8, mask_token_id=3).set_draft_vocab([1, 2])
+    with pytest.raises(ValueError, match=r"no draft vocabulary: call draft.set_draft_vocab\(None\)"):
+        export_deepspec(restricted, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()  # nothing half-written
 
 
 def test_unknown_layout_and_wrong_target(tmp_path):

@@ -137,6 +137,11 @@ def export_deepspec(draft, folder: str | Path, num_anchors: int = 512) -> Path:
         raise ValueError("DeepSpec embeds mask slots with a vocabulary token: this draft uses a learned mask vector")
     if c.head_type == "rnn":
         raise ValueError("exporting the RNN head to DeepSpec's layout is not supported")
+    if c.draft_vocab_size is not None:
+        raise ValueError(
+            "DeepSpec's layout has no draft vocabulary: call draft.set_draft_vocab(None) first to export the "
+            "whole-vocabulary draft"
+        )
     if not draft.is_attached:
         raise ValueError("attach the draft to its target first: DeepSpec checkpoints carry embed_tokens and lm_head")
     folder = Path(folder)
