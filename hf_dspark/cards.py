@@ -57,6 +57,9 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
         if c.sts_temperatures
         else "not calibrated",
         mask="learned mask embedding" if c.mask_token_id is None else f"token id {c.mask_token_id}",
+        draft_vocab="the whole vocabulary"
+        if c.draft_vocab_size is None
+        else f"{c.draft_vocab_size} tokens (proposals restricted to them; verification uses the full vocabulary)",
         params=f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M",
         training=training_text,
         eval=_table(load("eval.json"), "eval"),

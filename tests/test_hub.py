@@ -38,6 +38,7 @@ def test_card_renders_config_and_results(tmp_path):
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.config.sts_temperatures = [1.5, 1.2, 1.1, 1.0]
+    draft.set_draft_vocab([1, 5, 9])
     draft.save_pretrained(tmp_path)
     (tmp_path / "eval.json").write_text(json.dumps([{
         "dataset": "gsm8k", "temperature": 0.0, "prompts": 30, "tau": 3.21, "verify_rate": 0.5,
@@ -48,6 +49,7 @@ def test_card_renders_config_and_results(tmp_path):
     assert card.startswith("---\nlibrary_name: hf-dspark\nlicense: mit\nbase_model: org/target\n")
     assert "| block size γ | 4 |" in card and "| sequential head | markov (rank 8) |" in card
     assert "per-position temperatures [1.5, 1.2, 1.1, 1.0]" in card
+    assert "| draft vocabulary | 3 tokens (proposals restricted to them;" in card
     assert "| gsm8k | 0.0 | 30 | 3.21 | 0.50 | 25.0 | 0.80 0.70 - - |" in card
     assert "- **data**: 700 prompts" in card and "Not measured yet." in card  # no bench.json
     assert 'DSparkDraftModel.from_pretrained("org/draft")' in card
