@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 LIMIT=${LIMIT:-10}
 DRAFT=hf_dspark/checkpoints/smollm2-135m-instruct-dspark
-NONE=${1:-$HOME/.cache/hf_dspark/smollm2/ship-run3k-none}
+NONE=${1:-$HOME/.cache/hf_dspark/smollm2/none-draft}  # recipes/smollm2_ship.py --run run3k-none --head none --out it
 OUT=benchmarks/results/smollm2
 SETS=(humaneval gsm8k mt-bench)
 
