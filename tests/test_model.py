@@ -42,13 +42,19 @@ def test_backbone_output_shapes():
     assert out.logits.shape == (1, 6, 96) and out.hidden_states.shape == (1, 6, 32)
 
 
-@pytest.mark.parametrize("head", ["none", "markov", "gated", "rnn"])
-def test_save_load_round_trip_is_exact(tmp_path, head):
-    target = tiny_target("llama")
-    draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8)
+def _perturbed_draft(target, **overrides):
+    """A γ=4 draft whose every weight is moved off its initial value (so a lost tensor would show)."""
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8, **overrides)
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p))
+    return draft
+
+
+@pytest.mark.parametrize("head", ["none", "markov", "gated", "rnn"])
+def test_save_load_round_trip_is_exact(tmp_path, head):
+    target = tiny_target("llama")
+    draft = _perturbed_draft(target, head_type=head)
     draft.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     loaded = DSparkDraftModel.from_pretrained(tmp_path)
@@ -68,10 +74,7 @@ def test_save_load_round_trip_is_exact(tmp_path, head):
 def test_bf16_checkpoint_follows_the_target_dtype(tmp_path):
     """Shipped drafts are stored in bfloat16; attached to a float32 target they run in float32, losslessly."""
     target = tiny_target("llama")
-    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p))
+    draft = _perturbed_draft(target)
     draft.to(torch.bfloat16).save_pretrained(tmp_path)
     loaded = DSparkDraftModel.from_pretrained(tmp_path)
     assert loaded.dtype == torch.bfloat16  # stored precision kept until attached
@@ -252,10 +255,7 @@ def test_confidences_are_recorded_per_round():
 
 def test_draft_vocabulary_is_lossless_saved_and_validated(tmp_path):
     target = tiny_target("llama")
-    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p))
+    draft = _perturbed_draft(target)
     ids = torch.tensor([[5, 6, 7, 8]])
     kw = dict(max_new_tokens=24, do_sample=False)
     ref = target.generate(ids, **kw)
