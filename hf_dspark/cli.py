@@ -112,7 +112,7 @@ def _load_drafts(specs: list[str], target) -> dict:
 
 
 def cmd_eval(args) -> None:
-    from .evaluation.evaluate import evaluate, markdown_table, plot_acceptance
+    from .evaluation.evaluate import evaluate, markdown_table, plot_acceptance, plot_tau
 
     target, tokenizer = load_target(args.target, args.dtype)
     drafts = _load_drafts(args.draft, target)
@@ -127,6 +127,7 @@ def cmd_eval(args) -> None:
     ]
     _write_results(Path(args.out), "eval", results, markdown_table(results))
     plot_acceptance(results, Path(args.out) / "acceptance.png")
+    plot_tau(results, Path(args.out) / "tau.png")
 
 
 def cmd_bench(args) -> None:

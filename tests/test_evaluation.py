@@ -67,6 +67,7 @@ def test_cli_eval_end_to_end(tmp_path):
     md = (out / "eval.md").read_text()
     assert md.count("\n") == 2 + 8 and "| markov | gsm8k | 0.0 | 2 |" in md and "| none | mt-bench | 1.0 | 2 |" in md
     assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "tau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_eval_refuses_a_draft_for_another_target(tmp_path):

@@ -150,3 +150,32 @@ def plot_acceptance(results: list[dict], path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def plot_tau(results: list[dict], path: str | Path) -> Path:
+    """Grouped bars of τ (PNG): one group per dataset, one bar per draft and temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in results))
+    series = list(dict.fromkeys((r.get("draft", "dspark"), r["temperature"]) for r in results))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(datasets) * len(series)), 4))
+    for j, (draft, temperature) in enumerate(series):
+        taus = {
+            r["dataset"]: r["tau"]
+            for r in results
+            if (r.get("draft", "dspark"), r["temperature"]) == (draft, temperature)
+        }
+        xs = [i + j * width for i, d in enumerate(datasets) if d in taus]
+        ax.bar(xs, [taus[d] for d in datasets if d in taus], width, label=f"{draft} T={temperature}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(datasets))], datasets)
+    ax.set_ylabel("τ (tokens per round, bonus included)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
