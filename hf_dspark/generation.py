@@ -27,6 +27,8 @@ from .scheduler import SPSProfile, fill_top_k, plan_capacity, plan_verify_length
 from .stats import DSparkStats
 from .verify import greedy_accept, rejection_sample
 
+MAX_BACKOFF = 16  # most plain rounds in a row before the draft is asked again (scheduled/async modes)
+
 
 def _probs(scores: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1)
@@ -301,15 +303,23 @@ def dspark_decode(
     if streamer is not None:
         streamer.put(first.cpu())
     conf_history: list[torch.Tensor] = []
+    # When the scheduler verifies no draft token in any row, drafting was pure cost: skip it for `backoff` rounds
+    # (doubling up to MAX_BACKOFF, reset by any round that verifies a draft token). Skipped rounds are plain decode
+    # steps through the same verify path, so the output is unchanged.
+    backoff = skip = 0
 
     # --- rounds -------------------------------------------------------------------------------------------------
     while not all(finished):
         limit = min(gamma, draft.config.verify_limit if draft.config.verify_limit is not None else gamma)
-        caps = [0 if finished[r] else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
+        caps = [0 if finished[r] or skip else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
+        skip = max(skip - 1, 0)
         proposal = draft_block(draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample)
         lengths = choose_lengths(mode, proposal.confidences, caps, conf_history, sps, draft.config.confidence_threshold)
-        if proposal.confidences is not None:
+        if proposal.confidences is not None and proposal.confidences.shape[1]:
             conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
+            if mode in ("scheduled", "async"):
+                backoff = min(2 * backoff or 1, MAX_BACKOFF) if not any(lengths) else 0
+                skip = backoff
         stats.verify_rounds.append([lengths[r] for r in range(R) if not finished[r]])
 
         # verify: each active row's anchor + its ℓ_r draft tokens, one target forward for the whole batch

@@ -303,3 +303,37 @@ def test_head_switched_off_proposes_from_the_backbone_alone():
     for enabled in (True, False):
         draft.head_enabled = enabled
         assert target.generate(ids, assistant_model=draft, **kw).tolist() == ref
+
+
+@pytest.mark.parametrize("profitable", [False, True])
+def test_scheduler_backs_off_drafting_when_it_verifies_nothing(profitable):
+    """With a steep SPS profile and low confidences the scheduler verifies no draft token: the loop then skips the
+    draft for 1, 2, 4, … rounds (plain decode steps) instead of paying for proposals it throws away. The output is
+    plain greedy either way; with a flat profile every round drafts."""
+    from hf_dspark.generation import MAX_BACKOFF
+    from hf_dspark.scheduler import SPSProfile
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.verify_mode = "scheduled"
+    draft.sps_profile = SPSProfile.from_callable((lambda B: 1.0) if profitable else (lambda B: 1.0 / B))
+    calls = []
+    original = draft.forward
+    draft.forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    kw = dict(max_new_tokens=40, do_sample=False)
+    out = target.generate(ids, assistant_model=draft, **kw)
+    assert out.tolist() == target.generate(ids, **kw).tolist()
+    rounds = draft.stats.rounds
+    if profitable:  # verifying is free: every round drafts and verifies all it may
+        # (the last rounds are capped by max_new_tokens; the very last may have no room left to draft at all)
+        assert all(v[0] > 0 for v in draft.stats.verify_rounds[:-1]) and draft.stats.verify_rounds[0] == [4]
+        assert len(calls) == sum(v != [0] for v in draft.stats.verify_rounds) >= rounds - 1
+    else:  # nothing verified: drafts at rounds 0, 2, 5, 10, 19, 36 (back-offs 1, 2, 4, 8, 16)
+        assert all(v == [0] for v in draft.stats.verify_rounds) and rounds == 39  # the prefill gives token 1
+        expected, r, b = [], 0, 0
+        while r < rounds:
+            expected.append(r)
+            b = min(2 * b or 1, MAX_BACKOFF)
+            r += b + 1
+        assert len(calls) == len(expected) < rounds // 3
