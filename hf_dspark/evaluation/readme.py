@@ -25,7 +25,9 @@ def results_section(eval_results: list[dict], bench_results: list[dict]) -> str:
     ]
     if eval_results:
         lines += [
-            "**Acceptance** (τ = tokens committed per round, bonus included)",
+            "**Acceptance** (τ = tokens committed per round, bonus included; verify mode "
+            + ", ".join(sorted({str(r.get("verify_mode", "?")) for r in eval_results}))
+            + f", γ = {eval_results[0].get('block_size', '?')})",
             "",
             evaluate.markdown_table(eval_results),
         ]
