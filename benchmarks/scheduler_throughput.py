@@ -1,6 +1,6 @@
 """Batched throughput of verify modes on the embedded target (issue: confidence-scheduled verification).
 
-    python benchmarks/scheduler_throughput.py [--draft DIR] [--rows 1 4 8 16] [--max-new-tokens 64]
+    python benchmarks/scheduler_throughput.py [--draft DIR] [--rows 1 4 8 16] [--max-new-tokens 64] [--dtype auto]
 
 For R concurrent prompts of mixed domains (first turns of gsm8k, humaneval, mt-bench, mbpp, math500): total
 tokens/s of plain batched ``generate``, DSpark ``fixed`` with γ ∈ {2, 4, 8} (``verify_limit``), ``scheduled``, and
@@ -58,14 +58,17 @@ def main() -> None:
     ap.add_argument("--draft", type=Path, default=None, help="draft folder (default: the shipped draft)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 where the CPU has native bf16 units (see embedded.fast_dtype)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/scheduler_throughput.json"))
     args = ap.parse_args()
 
-    target, tokenizer = embedded.load_target()
+    dtype = embedded.fast_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    target, tokenizer = embedded.load_target(dtype)
     if args.draft is not None:
-        draft = DSparkDraftModel.from_pretrained(args.draft).attach(target)
+        draft = DSparkDraftModel.from_pretrained(args.draft, dtype=dtype).attach(target)
     elif embedded.has_shipped_draft():
-        draft = DSparkDraftModel.from_pretrained(embedded.DRAFT_DIR).attach(target)
+        draft = DSparkDraftModel.from_pretrained(embedded.DRAFT_DIR, dtype=dtype).attach(target)
     else:
         raise SystemExit("no trained draft ships yet: pass --draft DIR")
     gamma = draft.config.block_size
@@ -113,7 +116,8 @@ def main() -> None:
         results.append(row)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "gamma": gamma, "rows": results}, indent=2))
+    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype)[6:], "threads": torch.get_num_threads(),
+                                    "gamma": gamma, "sps": sps.table, "rows": results}, indent=2))
     try:
         import matplotlib
 

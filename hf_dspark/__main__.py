@@ -1,6 +1,10 @@
 """`python -m hf_dspark`: DSpark generation on the embedded default, side by side with plain greedy `generate`.
 
-Prints per-prompt and overall tokens/s, τ and the wall-clock speedup, and checks that both outputs are identical.
+Prints per-prompt and overall tokens/s, τ and the wall-clock speedup, and compares both outputs. In float32 they
+must be identical (a difference is a bug and stops the run). ``--dtype auto`` (the default) picks bfloat16 on CPUs
+with native bf16 units, where a multi-token verify is as cheap as one token; there a forward over several tokens
+rounds differently from a one-token step, so greedy output can part from plain greedy at a near-tie (as it can under
+transformers' own assisted generation): the run reports how many tokens agree instead of stopping.
 """
 
 from __future__ import annotations
@@ -36,15 +40,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 where the CPU has native bf16 units, else float32")  # fmt: skip
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    dtype = embedded.fast_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    exact = dtype == torch.float32
 
     if embedded.has_shipped_draft():
-        target, tokenizer, draft = embedded.load()
-        print(f"target: SmolLM2-135M-Instruct (GGUF); draft: {embedded.DRAFT_DIR.name}")
+        target, tokenizer, draft = embedded.load(dtype)
+        print(f"target: SmolLM2-135M-Instruct (GGUF, {str(dtype)[6:]}); draft: {embedded.DRAFT_DIR.name}")
     else:
-        target, tokenizer = embedded.load_target()
+        target, tokenizer = embedded.load_target(dtype)
         torch.manual_seed(0)
         draft = DSparkDraftModel.from_target(target, block_size=8)
         print(
@@ -52,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             "      Its output is still exactly the target's (DSpark is lossless), but expect a slowdown, not a speedup."
         )
 
-    total = {"plain": 0.0, "dspark": 0.0, "tokens": 0, "rounds": 0, "committed": 0}
+    total = {"plain": 0.0, "dspark": 0.0, "tokens": 0, "rounds": 0, "committed": 0, "identical": 0}
     for i, text in enumerate(_prompts(args.prompts, args.limit)):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
@@ -65,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         t2 = time.perf_counter()
         same = out.tolist() == ref.tolist()
         n = ref.shape[1] - ids.shape[1]
+        total["identical"] += same
+        agree = _common_prefix(out[0, ids.shape[1] :].tolist(), ref[0, ids.shape[1] :].tolist())
         total["plain"] += t1 - t0
         total["dspark"] += t2 - t1
         total["tokens"] += n
@@ -73,14 +83,28 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"[{i}] {n} tokens  plain {n / (t1 - t0):6.1f} tok/s  dspark {n / (t2 - t1):6.1f} tok/s  "
             f"tau {draft.stats.tau:4.2f}  speedup {(t1 - t0) / (t2 - t1):4.2f}x  identical={same}"
+            + ("" if same else f" (first {agree} tokens agree)")
         )
-        if not same:
+        if exact and not same:
             raise SystemExit("DSpark output differs from plain greedy output: this is a bug, please report it.")
     tau = total["committed"] / max(total["rounds"], 1)
     print(
         f"overall: plain {total['tokens'] / total['plain']:.1f} tok/s, dspark {total['tokens'] / total['dspark']:.1f} "
-        f"tok/s, tau {tau:.2f}, speedup {total['plain'] / total['dspark']:.2f}x (outputs identical)"
+        f"tok/s, tau {tau:.2f}, speedup {total['plain'] / total['dspark']:.2f}x, "
+        f"{total['identical']}/{i + 1} outputs identical to plain greedy"
     )
+    if not exact and total["identical"] <= i:
+        print(
+            f"({str(dtype)[6:]}: a multi-token verify rounds differently from a one-token step, so greedy output can "
+            "part at a near-tie; --dtype float32 gives bit-identical output, at a slowdown on this kind of CPU)"
+        )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 if __name__ == "__main__":

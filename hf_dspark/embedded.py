@@ -60,3 +60,22 @@ def load(dtype: torch.dtype = torch.float32):
     target, tokenizer = load_target(dtype)
     draft = DSparkDraftModel.from_pretrained(DRAFT_DIR, dtype=dtype).attach(target)
     return target, tokenizer, draft
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX), read from ``/proc/cpuinfo``."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def fast_dtype() -> torch.dtype:
+    """The dtype in which speculative decoding pays on this CPU: bfloat16 where the CPU has native bf16 units.
+
+    Why: in float32, PyTorch's CPU matmul runs one token as a matrix-vector product but 2+ tokens through a GEMM
+    that costs 1.7-2x as much, so verifying a block costs about two plain steps. In bfloat16 (oneDNN, native
+    units) a 9-token forward costs no more than a 1-token one. Measured on this project's 2-core CPU.
+    """
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

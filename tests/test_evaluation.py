@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from conftest import char_tokenizer, tiny_target
 
 from hf_dspark import DSparkDraftModel, DSparkStats
@@ -108,6 +109,35 @@ def test_cli_bench_end_to_end(tmp_path):
     assert all(m["tau"] >= 1.0 for m in result["methods"][2:]) and all(m["tok_per_s"] > 0 for m in result["methods"])
     assert (out / "bench.md").read_text().count("| humaneval |") == 7
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied_logits", [False, True])
+def test_bench_output_check(dtype, tied_logits):
+    """float32: any mismatch with plain greedy stops the run. bfloat16: a mismatch is counted when the first
+    differing token ties the target's top logit, and stops the run otherwise."""
+    from hf_dspark.evaluation.bench import Method, bench, markdown_table
+
+    target = tiny_target("llama", vocab_size=96, dtype=dtype)
+    if tied_logits:  # every vocabulary row equal: all logits tie at every step
+        target.lm_head.weight.data[:] = target.lm_head.weight.data[0].clone()
+    tokenizer = char_tokenizer()
+
+    def off_by_one(ids, **kw):  # a "method" whose last token differs from plain greedy's
+        out = target.generate(ids, **kw)
+        out[0, -1] = (out[0, -1] + 1) % 96
+        return out
+
+    methods = [Method("plain", lambda ids, **kw: target.generate(ids, **kw)), Method("wrong", off_by_one)]
+    run = lambda: bench(target, tokenizer, methods, "humaneval", limit=2, max_new_tokens=4, progress=False)  # noqa: E731
+    if dtype == torch.float32 or not tied_logits:
+        with pytest.raises(RuntimeError, match=r"wrong produced a different greedy output than plain .* prompt 0"):
+            run()
+        return
+    result = run()
+    assert [m["same_as_plain"] for m in result["methods"]] == [2, 0]
+    table = markdown_table([result])
+    assert "| humaneval | plain |" in table and table.rstrip().endswith("| 0/2 |")
 
 
 def test_readme_results_section_is_written_from_json(tmp_path):

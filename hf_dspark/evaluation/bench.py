@@ -2,8 +2,14 @@
 
 Every prompt runs every method back to back (A B C … per prompt, the order rotated from prompt to prompt) so
 that drift in machine speed hits all methods alike. Reported: median tokens/s over prompts, total tokens/s, and
-the speedup of each method's total time against plain ``generate``; DSpark methods also report τ. Greedy outputs
-of every method are checked against plain greedy (a mismatch is a bug and stops the run).
+the speedup of each method's total time against plain ``generate``; DSpark methods also report τ.
+
+Greedy outputs of every method are compared with plain greedy. In float32/float64 a mismatch is a bug and stops
+the run. In bfloat16/float16 a forward over several tokens rounds differently from one over a single token, so a
+near-tie in the target's logits can flip under *any* multi-token verifier (transformers' prompt lookup included):
+there the count of prompts whose output equals plain greedy is reported per method, and every mismatch must be
+explained by a tie: at the first differing token the target's logits for both tokens lie within two units of
+rounding of the top logit. A mismatch that is not a tie stops the run, as in float32.
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
     from tqdm.auto import tqdm
 
     prompts = load_prompts(dataset, limit)
-    per = {m.name: {"seconds": [], "tokens": [], "committed": 0, "rounds": 0} for m in methods}
+    strict = target.dtype in (torch.float32, torch.float64)
+    per = {m.name: {"seconds": [], "tokens": [], "committed": 0, "rounds": 0, "same": 0} for m in methods}
     for i, text in enumerate(tqdm(prompts, desc=f"bench {dataset}", disable=not progress)):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
@@ -77,7 +84,8 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
                 per[m.name]["rounds"] += m.draft.stats.rounds
         reference = outs["plain"].tolist()
         for name, out in outs.items():
-            if out.tolist() != reference:
+            per[name]["same"] += out.tolist() == reference
+            if out.tolist() != reference and (strict or not parts_at_a_tie(target, out, outs["plain"])):
                 raise RuntimeError(f"{name} produced a different greedy output than plain generate on prompt {i}")
     plain_time = sum(per["plain"]["seconds"])
     rows = []
@@ -90,18 +98,41 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
             "tok_per_s": sum(p["tokens"]) / sum(p["seconds"]),
             "speedup": plain_time / sum(p["seconds"]),
             "tau": p["committed"] / p["rounds"] if p["rounds"] else None,
+            "same_as_plain": p["same"],
         })  # fmt: skip
     return {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "methods": rows,
             **run_context(target)}  # fmt: skip
 
 
+def parts_at_a_tie(target, out: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether two greedy outputs ([1, T] each) first differ at a token whose target logit ties the reference's.
+
+    Recomputes the target's logits at the first differing position (one forward) and checks that both tokens' logits
+    are within two units of rounding (in the target's dtype) of the largest logit.
+    """
+    a, b = out[0].tolist(), reference[0].tolist()
+    k = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
+    if k is None:
+        return False  # one is a strict prefix of the other: a length/EOS difference, never a tie
+    logits = target(torch.tensor([b[:k]], device=target.device)).logits[0, -1].float()
+    top = logits.max()
+    tol = 2 * torch.finfo(target.dtype).eps * top.abs().clamp_min(1.0)
+    return bool(top - logits[a[k]] <= tol and top - logits[b[k]] <= tol)
+
+
 def markdown_table(results: list[dict]) -> str:
-    lines = ["| dataset | method | tok/s (median) | speedup vs plain | τ |", "|---|---|---|---|---|"]
+    """One row per (dataset, method); "= plain" counts prompts whose greedy output equals plain ``generate``'s."""
+    lines = [
+        "| dataset | method | tok/s (median) | speedup vs plain | τ | = plain |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         for m in r["methods"]:
             tau = "-" if m["tau"] is None else f"{m['tau']:.2f}"
+            same = f"{m.get('same_as_plain', r['prompts'])}/{r['prompts']}"
             lines.append(
-                f"| {r['dataset']} | {m['method']} | {m['median_tok_per_s']:.1f} | {m['speedup']:.2f}× | {tau} |"
+                f"| {r['dataset']} | {m['method']} | {m['median_tok_per_s']:.1f} | {m['speedup']:.2f}× | {tau} "
+                f"| {same} |"
             )
     return "\n".join(lines) + "\n"
 
