@@ -116,8 +116,8 @@ def main() -> None:
         results.append(row)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype)[6:], "threads": torch.get_num_threads(),
-                                    "gamma": gamma, "sps": sps.table, "rows": results}, indent=2))
+    meta = {"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype)[6:], "threads": torch.get_num_threads()}
+    args.out.write_text(json.dumps({**meta, "gamma": gamma, "sps": sps.table, "rows": results}, indent=2))
     try:
         import matplotlib
 
