@@ -3,10 +3,12 @@
     python benchmarks/scheduler_throughput.py [--draft DIR] [--rows 1 4 8 16] [--max-new-tokens 64] [--dtype auto]
 
 For R concurrent prompts of mixed domains (first turns of gsm8k, humaneval, mt-bench, mbpp, math500): total
-tokens/s of plain batched ``generate``, DSpark ``fixed`` with γ ∈ {2, 4, 8} (``verify_limit``), ``scheduled``, and
-an oracle estimate that verifies exactly the tokens that were going to be accepted (hindsight; an upper bound):
-its time is the measured draft time plus Σ_rounds 1 / SPS(Σ_r (n_r + 1)) from the measured SPS table. Modes run
-interleaved per R so drift hits all alike. Writes ``benchmarks/results/scheduler_throughput.{json,png}``.
+tokens/s of plain batched ``generate``, DSpark ``fixed`` with γ ∈ {2, 4, 8} (``verify_limit``), ``scheduled``,
+``async``, and a measured hindsight oracle: a run in which each row verifies exactly the draft tokens that plain
+greedy's output shows were going to be accepted (no rejected token is ever verified). The oracle bounds what a
+verify-length policy can gain where a verify step's cost grows with its tokens; where it does not (bfloat16 on CPUs
+with native bf16 units, up to ~10 tokens), verifying more costs nothing and the oracle is no ceiling. All modes run
+back to back per R. Writes ``benchmarks/results/scheduler_throughput.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-from hf_dspark import DSparkDraftModel, embedded
+from hf_dspark import DSparkDraftModel, embedded, generation
 from hf_dspark.scheduler import SPSProfile
 
 EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
@@ -53,6 +56,108 @@ def count_new(out, width, eos):
     return total
 
 
+@contextmanager
+def hindsight(reference: list[list[int]]):
+    """The oracle: each row verifies exactly the draft tokens that match ``reference`` (plain greedy's output rows,
+    same left padding), i.e. the tokens that were going to be accepted. It wraps the decoding loop's draft and
+    length choice; verification itself is untouched, so the output stays exact."""
+    real_draft, real_choose = generation.draft_block, generation.choose_lengths
+    seen = {}
+
+    def draft_block(draft, context, histories, *args, **kwargs):
+        seen["histories"] = histories
+        seen["proposal"] = real_draft(draft, context, histories, *args, **kwargs)
+        return seen["proposal"]
+
+    def choose_lengths(mode, confidences, caps, history, sps, threshold):
+        lengths = []
+        for r, cap in enumerate(caps):
+            done, ref = len(seen["histories"][r]), reference[r]
+            drafted = seen["proposal"].tokens[r, :cap].tolist()
+            n = 0
+            while n < len(drafted) and done + n < len(ref) and drafted[n] == ref[done + n]:
+                n += 1
+            lengths.append(n)
+        return lengths
+
+    generation.draft_block, generation.choose_lengths = draft_block, choose_lengths
+    try:
+        yield
+    finally:
+        generation.draft_block, generation.choose_lengths = real_draft, real_choose
+
+
+def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int) -> dict:
+    """Every mode on the same R prompts; -> {mode: {tokens, seconds, tok_per_s[, tau, verify_per_request]}}."""
+    gamma = draft.config.num_draft_tokens
+    ids, mask = batch(tokenizer, mixed_prompts(R))
+    width, eos = ids.shape[1], tokenizer.eos_token_id
+    kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    modes = {"plain": None, **{f"fixed-{g}": ("fixed", g) for g in (2, 4, 8) if g <= gamma},
+             "scheduled": ("scheduled", None), "async": ("async", None), "oracle": ("fixed", None)}  # fmt: skip
+    row, reference = {"R": R}, None
+    for name, setting in modes.items():
+        t0 = time.perf_counter()
+        if setting is None:
+            out = target.generate(ids, **kw)
+            reference = out.tolist()
+        else:
+            draft.config.verify_mode, draft.config.verify_limit = setting
+            with hindsight(reference) if name == "oracle" else nullcontext():
+                out = target.generate(ids, assistant_model=draft, **kw)
+        dt = time.perf_counter() - t0
+        n = count_new(out, width, eos)
+        row[name] = {"tokens": n, "seconds": dt, "tok_per_s": n / dt}
+        if setting is not None:
+            st = draft.stats
+            budget = [x for rnd in st.verify_rounds for x in rnd]
+            row[name].update(tau=st.tau, verify_per_request=sum(budget) / max(len(budget), 1))
+        print(f"R={R:2d} {name:10s} {row[name]['tok_per_s']:7.1f} tok/s" + (
+            f"  tau {row[name]['tau']:.2f}  verify/request {row[name]['verify_per_request']:.2f}"
+            if setting is not None else ""), flush=True)  # fmt: skip
+    return row
+
+
+def markdown(result: dict) -> str:
+    """The table: total tokens/s per mode and R, the scheduler's verify budget, and its ratios to the goals."""
+    rows = result["rows"]
+    names = [k for k in rows[0] if k != "R"]
+    head = ["R", *names, "scheduled verify/request", "scheduled / best fixed", "scheduled / oracle"]
+    lines = [
+        f"Measured {result['date']}, {result['dtype']}, {result['threads']} threads, "
+        f"{result['max_new_tokens']} new tokens per prompt, γ = {result['gamma']}; total tokens/s.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for row in rows:
+        best_fixed = max(row[k]["tok_per_s"] for k in names if k.startswith("fixed"))
+        s, oracle = row["scheduled"], row["oracle"]["tok_per_s"]
+        cells = [str(row["R"]), *(f"{row[k]['tok_per_s']:.1f}" for k in names), f"{s['verify_per_request']:.2f}",
+                 f"{s['tok_per_s'] / best_fixed:.2f}", f"{s['tok_per_s'] / oracle:.2f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in [k for k in rows[0] if k != "R"]:
+        ax.plot([r["R"] for r in rows], [r[name]["tok_per_s"] for r in rows], marker="o", label=name)
+    ax.set_xlabel("concurrent prompts R")
+    ax.set_ylabel("total tokens/s")
+    ax.set_title(f"SmolLM2-135M + DSpark draft, {result['dtype']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft", type=Path, default=None, help="draft folder (default: the shipped draft)")
@@ -61,79 +166,30 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has native bf16 units (see embedded.fast_dtype)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/scheduler_throughput.json"))
+    ap.add_argument("--from-json", action="store_true", help="only rewrite the table and plot from --out")
     args = ap.parse_args()
-
-    dtype = embedded.fast_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
-    target, tokenizer = embedded.load_target(dtype)
-    if args.draft is not None:
-        draft = DSparkDraftModel.from_pretrained(args.draft, dtype=dtype).attach(target)
-    elif embedded.has_shipped_draft():
-        draft = DSparkDraftModel.from_pretrained(embedded.DRAFT_DIR, dtype=dtype).attach(target)
+    if args.from_json:
+        result = json.loads(args.out.read_text())
     else:
-        raise SystemExit("no trained draft ships yet: pass --draft DIR")
-    gamma = draft.config.block_size
-    grid = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, max(args.rows) * (gamma + 1)})
-    sps = SPSProfile.measure(target, grid=grid)
-    draft.sps_profile = sps
-    eos = tokenizer.eos_token_id
-    results = []
-    for R in args.rows:
-        ids, mask = batch(tokenizer, mixed_prompts(R))
-        width = ids.shape[1]
-        kw = dict(attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False)
-        modes = {"plain": None, **{f"fixed-{g}": ("fixed", g) for g in (2, 4, 8) if g <= gamma},
-                 "scheduled": ("scheduled", None)}  # fmt: skip
-        row = {"R": R}
-        for name, setting in modes.items():
-            t0 = time.perf_counter()
-            if setting is None:
-                out = target.generate(ids, **kw)
-            else:
-                draft.config.verify_mode, draft.config.verify_limit = setting
-                out = target.generate(ids, assistant_model=draft, **kw)
-            dt = time.perf_counter() - t0
-            n = count_new(out, width, eos)
-            row[name] = {"tokens": n, "seconds": dt, "tok_per_s": n / dt}
-            if setting is not None:
-                st = draft.stats
-                budget = [x for rnd in st.verify_rounds for x in rnd]
-                row[name].update(tau=st.tau, verify_per_request=sum(budget) / max(len(budget), 1))
-                if name == f"fixed-{min(gamma, 8)}":
-                    # oracle: the same rounds, verifying exactly the accepted tokens
-                    verify = 0.0
-                    i = 0
-                    for rnd in st.verify_rounds:
-                        acc = st.accepted[i : i + len(rnd)]
-                        i += len(rnd)
-                        verify += 1.0 / sps(sum(a + 1 for a in acc))
-                    full_verify = sum(1.0 / sps(sum(v + 1 for v in rnd)) for rnd in st.verify_rounds)
-                    oracle_time = dt - full_verify + verify
-                    row["oracle"] = {"tokens": n, "seconds": oracle_time, "tok_per_s": n / oracle_time}
-            print(f"R={R:2d} {name:10s} {row[name]['tok_per_s']:7.1f} tok/s" + (
-                f"  tau {row[name]['tau']:.2f}  verify/request {row[name]['verify_per_request']:.2f}"
-                if setting is not None else ""))  # fmt: skip
-        print(f"R={R:2d} oracle     {row['oracle']['tok_per_s']:7.1f} tok/s (estimate)")
-        results.append(row)
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype)[6:], "threads": torch.get_num_threads()}
-    args.out.write_text(json.dumps({**meta, "gamma": gamma, "sps": sps.table, "rows": results}, indent=2))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        names = [k for k in results[0] if k != "R"]
-        for name in names:
-            plt.plot([r["R"] for r in results], [r[name]["tok_per_s"] for r in results], marker="o", label=name)
-        plt.xlabel("concurrent prompts R")
-        plt.ylabel("total tokens/s")
-        plt.legend()
-        plt.savefig(args.out.with_suffix(".png"), dpi=120)
-    except ImportError:
-        print("matplotlib not installed: no plot")
-    print(f"wrote {args.out}")
+        dtype = embedded.fast_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+        target, tokenizer = embedded.load_target(dtype)
+        folder = args.draft or (embedded.DRAFT_DIR if embedded.has_shipped_draft() else None)
+        if folder is None:
+            raise SystemExit("no trained draft ships yet: pass --draft DIR")
+        draft = DSparkDraftModel.from_pretrained(folder, dtype=dtype).attach(target)
+        gamma = draft.config.num_draft_tokens
+        grid = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, max(args.rows) * (gamma + 1)})
+        draft.sps_profile = SPSProfile.measure(target, grid=grid)
+        rows = [run_modes(target, draft, tokenizer, R, args.max_new_tokens) for R in args.rows]
+        result = {"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype).replace("torch.", ""),
+                  "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "gamma": gamma,
+                  "sps": draft.sps_profile.table, "rows": rows}  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(result))
+    plot(result, args.out.with_suffix(".png"))
+    print(markdown(result))
+    print(f"wrote {args.out} (.md, .png)")
 
 
 if __name__ == "__main__":

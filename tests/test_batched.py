@@ -129,3 +129,47 @@ def test_verify_limit_caps_every_mode():
     for r, p in enumerate(PROMPTS[:2]):
         ref = target.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :]
         assert out[r, ids.shape[1] :].tolist() == ref.tolist()
+
+
+def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
+    """benchmarks/scheduler_throughput.py's hindsight oracle: same rounds and output as fixed γ, but every token it
+    verifies is accepted (rows right for 2 slots, then wrong, so fixed γ = 4 verifies rejected tokens)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_throughput.py"
+    spec = importlib.util.spec_from_file_location("scheduler_throughput", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="none")
+    refs = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :] for p in PROMPTS]
+    ids, mask = left_pad(PROMPTS)
+    original = draft.forward
+
+    def right_then_wrong(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
+        out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
+        logits = torch.full_like(out.logits, -1e4)
+        for r in range(block_positions.shape[0]):
+            for k, pos in enumerate(block_positions[r].tolist()):
+                i = pos + 1 - len(PROMPTS[r])
+                good = int(refs[r][i]) if 0 <= i < len(refs[r]) else 3
+                logits[r, k, good if k < draft.config.draft_offset + 2 else (good + 1) % 96] = 1e4
+        out.logits = logits
+        return out
+
+    draft.forward = right_then_wrong
+    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    runs, real = {}, (bench.generation.draft_block, bench.generation.choose_lengths)
+    for name in ("fixed", "oracle"):
+        draft.config.verify_mode, draft.config.verify_limit = "fixed", None
+        with bench.hindsight(plain.tolist()) if name == "oracle" else bench.nullcontext():
+            out = target.generate(ids, **kw)
+        assert out.tolist() == plain.tolist(), name
+        runs[name] = draft.stats
+    fixed, oracle = runs["fixed"], runs["oracle"]
+    assert oracle.proposed == oracle.accepted and max(oracle.accepted) == 2
+    assert fixed.committed == oracle.committed and sum(fixed.proposed) > sum(oracle.proposed)
+    assert (bench.generation.draft_block, bench.generation.choose_lengths) == real  # the loop is restored
