@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from hf_dspark import DSparkDraftModel, embedded, generation
+from hf_dspark.evaluation.readme import replace_block
 from hf_dspark.scheduler import SPSProfile
 
 EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
@@ -165,6 +166,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has native bf16 units (see embedded.fast_dtype)")  # fmt: skip
+    ap.add_argument(
+        "--readme", type=Path, default=None, help="also write the table into this README's throughput block"
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/scheduler_throughput.json"))
     ap.add_argument("--from-json", action="store_true", help="only rewrite the table and plot from --out")
     args = ap.parse_args()
@@ -188,6 +192,8 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2))
     args.out.with_suffix(".md").write_text(markdown(result))
     plot(result, args.out.with_suffix(".png"))
+    if args.readme is not None:
+        replace_block(args.readme, "throughput", markdown(result))
     print(markdown(result))
     print(f"wrote {args.out} (.md, .png)")
 

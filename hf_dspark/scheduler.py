@@ -111,7 +111,6 @@ class SPSProfile:
         ``reps``), on its own device and dtype. Cached as JSON per (target, device, dtype, versions, grid);
         a corrupt or mismatched cache file is rebuilt. The measured table is made non-increasing (running min),
         since timing noise must not make the scheduler believe a longer step is faster."""
-        from transformers import DynamicCache
 
         grid = sorted(set(grid or [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17]))
         key, ident = cls.cache_key(target, target.device, target.dtype, grid, context)
@@ -123,25 +122,7 @@ class SPSProfile:
                     return cls.from_table({int(b): s for b, s in saved["table"].items()})
             except (ValueError, KeyError, TypeError):
                 pass  # corrupt or stale: measure again and overwrite
-        vocab = target.config.get_text_config().vocab_size
-        ids = torch.randint(0, vocab, (1, context + max(grid)), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(target.device)
-        cache = DynamicCache()
-        table = {}
-        with torch.no_grad():
-            target(input_ids=ids[:, :context], cache=cache, use_cache=True)
-            for B in grid:
-                times = []
-                for _ in range(reps + 1):
-                    if target.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    target(input_ids=ids[:, context : context + B], cache=cache, use_cache=True)
-                    if target.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
-                    cache.crop(-B)
-                table[B] = 1.0 / statistics.median(times[1:])
+        table = {B: 1.0 / seconds for B, seconds in time_verify_steps(target, grid, context, reps).items()}
         running = float("inf")
         for B in grid:
             running = min(running, table[B])
@@ -152,6 +133,32 @@ class SPSProfile:
             tmp.write_text(json.dumps({"ident": ident, "table": table}))
             tmp.replace(path)
         return cls.from_table(table)
+
+
+@torch.no_grad()
+def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5) -> dict[int, float]:
+    """Median seconds of one target forward over B new tokens after a ``context``-token cache, for B in ``grid``
+    (random token ids; the first of ``reps + 1`` runs is a warm-up). Raw times: not made monotone."""
+    from transformers import DynamicCache
+
+    vocab = target.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, context + max(grid)), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(target.device)
+    cache = DynamicCache()
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
+    target(input_ids=ids[:, :context], cache=cache, use_cache=True)
+    out = {}
+    for B in sorted(set(grid)):
+        times = []
+        for _ in range(reps + 1):
+            sync()
+            t0 = time.perf_counter()
+            target(input_ids=ids[:, context : context + B], cache=cache, use_cache=True)
+            sync()
+            times.append(time.perf_counter() - t0)
+            cache.crop(-B)
+        out[B] = statistics.median(times[1:])
+    return out
 
 
 def _check_confidences(confidences: torch.Tensor) -> torch.Tensor:

@@ -131,16 +131,34 @@ def test_verify_limit_caps_every_mode():
         assert out[r, ids.shape[1] :].tolist() == ref.tolist()
 
 
-def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
-    """benchmarks/scheduler_throughput.py's hindsight oracle: same rounds and output as fixed γ, but every token it
-    verifies is accepted (rows right for 2 slots, then wrong, so fixed γ = 4 verifies rejected tokens)."""
+def _throughput_benchmark():
     import importlib.util
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_throughput.py"
     spec = importlib.util.spec_from_file_location("scheduler_throughput", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_throughput_table_ratios_by_hand():
+    mode = lambda t, **kw: {"tokens": 64, "seconds": 64 / t, "tok_per_s": t, **kw}  # noqa: E731
+    row = {"R": 4, "plain": mode(50.0), "fixed-2": mode(40.0, tau=1.3, verify_per_request=2.0),
+           "fixed-4": mode(45.0, tau=1.3, verify_per_request=4.0),
+           "scheduled": mode(54.0, tau=1.3, verify_per_request=1.5),
+           "oracle": mode(60.0, tau=1.3, verify_per_request=1.0)}  # fmt: skip
+    result = {"date": "2026-11-29", "dtype": "bfloat16", "threads": 2, "max_new_tokens": 64, "gamma": 8, "rows": [row]}
+    table = _throughput_benchmark().markdown(result)
+    # scheduled / best fixed = 54 / 45, scheduled / oracle = 54 / 60
+    assert "| 4 | 50.0 | 40.0 | 45.0 | 54.0 | 60.0 | 1.50 | 1.20 | 0.90 |" in table
+    assert table.startswith("Measured 2026-11-29, bfloat16, 2 threads, 64 new tokens per prompt, γ = 8")
+
+
+def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
+    """benchmarks/scheduler_throughput.py's hindsight oracle: same rounds and output as fixed γ, but every token it
+    verifies is accepted (rows right for 2 slots, then wrong, so fixed γ = 4 verifies rejected tokens)."""
+    bench = _throughput_benchmark()
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="none")

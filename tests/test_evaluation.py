@@ -161,4 +161,5 @@ def test_readme_results_section_is_written_from_json(tmp_path):
     assert "old" not in text and text.endswith("<!-- results:end -->\n\n## After\n")
     assert "Measured 2026-11-29 on x86_64 2 cores (Linux), 2 threads, cpu, float32" in text
     assert "| dspark | gsm8k | 0.0 | 30 | 2.50 | 0.40 | 20.0 | 0.60 0.50 |" in text
-    assert "| gsm8k | markov-scheduled | 25.0 | 1.60× | 2.50 |" in text
+    assert "| gsm8k | markov-scheduled | 25.0 | 1.60× | 2.50 | 30/30 |" in text
+    assert "; τ: 30 prompts per dataset; wall-clock: 30 prompts per dataset." in text
