@@ -156,16 +156,18 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
     return demo
 
 
-def load_pair(target_spec: str, draft_spec: str | None):
-    """(target, tokenizer, draft): the embedded default, or folders/Hub ids."""
+def load_pair(target_spec: str, draft_spec: str | None, dtype: str = "float32"):
+    """(target, tokenizer, draft): the embedded default, or folders/Hub ids; ``dtype`` as in ``--dtype``."""
     from hf_dspark import embedded
     from hf_dspark.cli import load_target
 
-    target, tokenizer = load_target(target_spec)
+    if dtype == "auto":
+        dtype = str(embedded.fast_dtype()).replace("torch.", "")
+    target, tokenizer = load_target(target_spec, dtype)
     if draft_spec is not None:
-        draft = DSparkDraftModel.from_pretrained(draft_spec).attach(target)
+        draft = DSparkDraftModel.from_pretrained(draft_spec, dtype=target.dtype).attach(target)
     elif target_spec == "embedded" and embedded.has_shipped_draft():
-        draft = DSparkDraftModel.from_pretrained(embedded.DRAFT_DIR).attach(target)
+        draft = DSparkDraftModel.from_pretrained(embedded.DRAFT_DIR, dtype=target.dtype).attach(target)
     else:
         print("NOTE: no trained draft given or shipped: using an UNTRAINED draft (lossless, but slow).")
         torch.manual_seed(0)
@@ -177,10 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m demo.app", description=__doc__)
     ap.add_argument("--target", default="embedded")
     ap.add_argument("--draft", default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                    help="float32: outputs bit-identical to plain greedy; auto: bfloat16 on CPUs with native bf16 "
+                    "units (faster verify, greedy may part at exact logit ties)")  # fmt: skip
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=7860)
     args = ap.parse_args(argv)
-    demo = build_demo(*load_pair(args.target, args.draft))
+    demo = build_demo(*load_pair(args.target, args.draft, args.dtype))
     demo.queue().launch(server_name=args.host, server_port=args.port)
 
 
