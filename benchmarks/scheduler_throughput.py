@@ -4,11 +4,13 @@
 
 For R concurrent prompts of mixed domains (first turns of gsm8k, humaneval, mt-bench, mbpp, math500): total
 tokens/s of plain batched ``generate``, DSpark ``fixed`` with γ ∈ {2, 4, 8} (``verify_limit``), ``scheduled``,
-``async``, and a measured hindsight oracle: a run in which each row verifies exactly the draft tokens that plain
-greedy's output shows were going to be accepted (no rejected token is ever verified). The oracle bounds what a
-verify-length policy can gain where a verify step's cost grows with its tokens; where it does not (bfloat16 on CPUs
-with native bf16 units, up to ~10 tokens), verifying more costs nothing and the oracle is no ceiling. All modes run
-back to back per R. Writes ``benchmarks/results/scheduler_throughput.{json,md,png}``.
+``scheduled-packed`` (the paper's per-token Algorithm 1, which prices a token as one slot although this loop
+verifies a padded [R, 1 + ℓ] block), ``async``, and a measured hindsight oracle: a run in which each row verifies
+exactly the draft tokens that plain greedy's output shows were going to be accepted (no rejected token is ever
+verified). The oracle bounds what a verify-length policy can gain where a verify step's cost grows with its
+tokens; where it does not (bfloat16 on CPUs with native bf16 units, up to ~10 tokens), verifying more costs
+nothing and the oracle is no ceiling. All modes run back to back per R. Writes
+``benchmarks/results/scheduler_throughput.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def hindsight(reference: list[list[int]]):
         seen["proposal"] = real_draft(draft, context, histories, *args, **kwargs)
         return seen["proposal"]
 
-    def choose_lengths(mode, confidences, caps, history, sps, threshold):
+    def choose_lengths(mode, confidences, caps, history, sps, threshold, layout="padded"):
         lengths = []
         for r, cap in enumerate(caps):
             done, ref = len(seen["histories"][r]), reference[r]
@@ -95,7 +97,8 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int) -> dict:
     width, eos = ids.shape[1], tokenizer.eos_token_id
     kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
     modes = {"plain": None, **{f"fixed-{g}": ("fixed", g) for g in (2, 4, 8) if g <= gamma},
-             "scheduled": ("scheduled", None), "async": ("async", None), "oracle": ("fixed", None)}  # fmt: skip
+             "scheduled": ("scheduled", None), "scheduled-packed": ("scheduled", None), "async": ("async", None),
+             "oracle": ("fixed", None)}  # fmt: skip
     row, reference = {"R": R}, None
     for name, setting in modes.items():
         t0 = time.perf_counter()
@@ -104,6 +107,7 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int) -> dict:
             reference = out.tolist()
         else:
             draft.config.verify_mode, draft.config.verify_limit = setting
+            draft.config.verify_layout = "packed" if name.endswith("-packed") else "padded"
             with hindsight(reference) if name == "oracle" else nullcontext():
                 out = target.generate(ids, assistant_model=draft, **kw)
         dt = time.perf_counter() - t0

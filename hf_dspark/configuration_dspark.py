@@ -6,6 +6,7 @@ from transformers import PretrainedConfig
 
 HEAD_TYPES = ("none", "markov", "gated", "rnn")
 VERIFY_MODES = ("auto", "fixed", "threshold", "scheduled", "async")
+VERIFY_LAYOUTS = ("padded", "packed")
 
 
 class DSparkConfig(PretrainedConfig):
@@ -38,6 +39,10 @@ class DSparkConfig(PretrainedConfig):
             ``threshold`` (the prefix with c_k ≥ ``confidence_threshold``), ``scheduled`` (Algorithm 1 with the
             target's SPS profile) or ``async`` (capacity from confidences two rounds old, filled by current ones).
         verify_limit: at most this many draft tokens verified per row and round, in every mode (``None``: γ).
+        verify_layout: what ``scheduled``/``async`` assume a verify step costs in a batch. ``padded`` (default):
+            this package's loop, which verifies an [R, 1 + ℓ] block, so the planners choose whole columns and every
+            row verifies up to ℓ; ``packed``: the paper's per-token Algorithm 1 (B = Σ_r (1 + ℓ_r)), right for
+            engines with ragged kernels. Identical for one row.
     Training:
         loss_decay: position weights w_k = exp(-(k-1)/loss_decay); ``None`` means γ.
     """
@@ -75,6 +80,7 @@ class DSparkConfig(PretrainedConfig):
         verify_mode: str = "auto",
         confidence_threshold: float = 0.5,
         verify_limit: int | None = None,
+        verify_layout: str = "padded",
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -107,6 +113,7 @@ class DSparkConfig(PretrainedConfig):
         self.verify_mode = verify_mode
         self.confidence_threshold = confidence_threshold
         self.verify_limit = verify_limit
+        self.verify_layout = verify_layout
         self.initializer_range = initializer_range
         # `generate` compares vocab sizes of target and assistant before it reaches us: keep this one honest.
         kwargs.setdefault("vocab_size", target_vocab_size)
@@ -150,6 +157,8 @@ class DSparkConfig(PretrainedConfig):
                 raise ValueError(f"sts_temperatures must be positive, got {self.sts_temperatures}")
         if self.verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {self.verify_mode!r}")
+        if self.verify_layout not in VERIFY_LAYOUTS:
+            raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {self.verify_layout!r}")
         if self.verify_limit is not None and self.verify_limit < 0:
             raise ValueError(f"verify_limit must be >= 0, got {self.verify_limit}")
         if not 0 <= self.confidence_threshold <= 1:

@@ -20,10 +20,17 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from .configuration_dspark import VERIFY_MODES
+from .configuration_dspark import VERIFY_LAYOUTS, VERIFY_MODES
 from .kernels import fused_head_step, fused_temperature, use_kernels
 from .modeling_dspark import DSparkDraftModel
-from .scheduler import SPSProfile, fill_top_k, plan_capacity, plan_verify_lengths
+from .scheduler import (
+    SPSProfile,
+    fill_top_k,
+    plan_capacity,
+    plan_capacity_width,
+    plan_verify_lengths,
+    plan_verify_width,
+)
 from .stats import DSparkStats
 from .verify import greedy_accept, rejection_sample
 
@@ -197,20 +204,25 @@ def sps_profile(draft: DSparkDraftModel, target, rows: int) -> SPSProfile:
     return draft.sps_profile
 
 
-def choose_lengths(mode, confidences, caps, history, sps, threshold) -> list[int]:
+def choose_lengths(mode, confidences, caps, history, sps, threshold, layout: str = "padded") -> list[int]:
     """Draft tokens each row verifies. ``caps`` [R] bound them (length limit; 0 for finished rows); confidences
     beyond a cap are zeroed first, so the planners never admit them. ``history`` holds past rounds' confidences
-    (the asynchronous variant sizes its capacity from the one two rounds back)."""
+    (the asynchronous variant sizes its capacity from the one two rounds back). ``layout``: ``padded`` plans
+    whole columns of the [R, 1 + ℓ] verify block this loop runs (every row then verifies up to its cap),
+    ``packed`` plans tokens as the paper's Algorithm 1 does for ragged kernels (B = Σ_r (1 + ℓ_r))."""
+    if layout not in VERIFY_LAYOUTS:
+        raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {layout!r}")
     if mode == "fixed" or confidences is None or confidences.shape[1] == 0:
         return list(caps)
     allowed = torch.arange(confidences.shape[1], device=confidences.device)[None] < torch.tensor(caps)[:, None]
     conf = torch.where(allowed, confidences, 0).cpu()
     if mode == "threshold":
         return [int((conf[r] >= threshold).long().cumprod(0).sum()) for r in range(conf.shape[0])]
-    if mode == "scheduled" or len(history) < 2:
-        return plan_verify_lengths(conf, sps)
-    old = history[-2]
-    return fill_top_k(conf, plan_capacity(old, sps)) if old.shape == conf.shape else plan_verify_lengths(conf, sps)
+    old = history[-2] if mode == "async" and len(history) >= 2 and history[-2].shape == conf.shape else None
+    if layout == "padded":
+        width = plan_verify_width(conf, sps) if old is None else plan_capacity_width(old, sps)
+        return [min(width, cap) for cap in caps]
+    return plan_verify_lengths(conf, sps) if old is None else fill_top_k(conf, plan_capacity(old, sps))
 
 
 def verify_row(draft_tokens, draft_probs, raw_logits, history, logits_processor, do_sample):
@@ -314,7 +326,10 @@ def dspark_decode(
         caps = [0 if finished[r] or skip else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
         skip = max(skip - 1, 0)
         proposal = draft_block(draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample)
-        lengths = choose_lengths(mode, proposal.confidences, caps, conf_history, sps, draft.config.confidence_threshold)
+        lengths = choose_lengths(
+            mode, proposal.confidences, caps, conf_history, sps, draft.config.confidence_threshold,
+            draft.config.verify_layout,
+        )  # fmt: skip
         if proposal.confidences is not None and proposal.confidences.shape[1]:
             conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
             if mode in ("scheduled", "async"):

@@ -201,6 +201,47 @@ def plan_verify_lengths(confidences: torch.Tensor, sps: SPSProfile | Callable[[i
     return best
 
 
+def plan_verify_width(confidences: torch.Tensor, sps: SPSProfile | Callable[[int], float]) -> int:
+    """Algorithm 1 for a padded batch: confidences [R, γ] -> ℓ, the draft columns every row verifies.
+
+    A loop that verifies a left-aligned [R, 1 + ℓ] block (as this package's does, on any attention backend) pays
+    for R·(1 + ℓ) slots whatever each row needs, so per-token admission misprices it: one row's token widens
+    the block for all rows, and the other rows' tokens in that column then cost nothing. The unit of admission
+    is therefore a column: admit columns left to right with τ += Σ_r a_{r,ℓ}, B = R·(1 + ℓ), Θ = τ·SPS(B), and
+    stop at the first column that does not improve Θ. Non-anticipating as Algorithm 1 is: whether column ℓ is
+    verified depends on the survivals up to ℓ, never on a later c (which depends on the tokens being verified).
+    For R = 1 it equals ``plan_verify_lengths``. Zero out confidences a row may not verify (length limit,
+    finished rows) before calling; the caller caps each row at its limit.
+    """
+    confidences = _check_confidences(confidences)
+    R, gamma = confidences.shape
+    survival = confidences.cumprod(-1)
+    tau, best, width = float(R), 0, 0
+    theta_best = tau * sps(R)
+    for width in range(1, gamma + 1):
+        tau += float(survival[:, width - 1].sum())
+        theta = tau * sps(R * (1 + width))
+        if theta <= theta_best:
+            break
+        theta_best, best = theta, width
+    return best
+
+
+def plan_capacity_width(old_confidences: torch.Tensor, sps: SPSProfile | Callable[[int], float]) -> int:
+    """Asynchronous variant for a padded batch: the width ℓ maximising Θ from confidences two rounds old (a global
+    search, safe because this information predates the tokens being verified now)."""
+    confidences = _check_confidences(old_confidences)
+    R, gamma = confidences.shape
+    survival = confidences.cumprod(-1)
+    tau, best = float(R), 0
+    theta_best = tau * sps(R)
+    for width in range(1, gamma + 1):
+        tau += float(survival[:, width - 1].sum())
+        if tau * sps(R * (1 + width)) > theta_best:
+            best, theta_best = width, tau * sps(R * (1 + width))
+    return best
+
+
 def plan_capacity(old_confidences: torch.Tensor, sps: SPSProfile | Callable[[int], float]) -> int:
     """Asynchronous variant, step 1: from confidences two rounds old, the number K of draft tokens (over all rows)
     that maximises Θ — a global search without early stop, safe because this information predates the tokens

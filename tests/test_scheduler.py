@@ -8,7 +8,16 @@ import pytest
 import torch
 from conftest import tiny_target
 
-from hf_dspark.scheduler import SPSProfile, fill_top_k, plan_capacity, plan_verify_lengths
+from hf_dspark import DSparkConfig
+from hf_dspark.generation import choose_lengths
+from hf_dspark.scheduler import (
+    SPSProfile,
+    fill_top_k,
+    plan_capacity,
+    plan_capacity_width,
+    plan_verify_lengths,
+    plan_verify_width,
+)
 
 COUNTEREXAMPLE = SPSProfile.from_table({1: 1.0, 2: 0.5, 3: 0.45})
 
@@ -74,6 +83,64 @@ def test_brute_force_small_problems():
         # no subset of prefixes in the admission order beats the global optimum reported by the broken search
         broken = plan_without_early_stop(conf, sps)
         assert _theta(broken, conf, sps) >= _theta(got, conf, sps) - 1e-12
+
+
+def _random_problem(rng):
+    R, gamma = rng.randint(1, 3), rng.randint(1, 4)
+    conf = torch.tensor([[rng.random() for _ in range(gamma)] for _ in range(R)], dtype=torch.float64)
+    rates = sorted((rng.uniform(0.1, 2.0) for _ in range(R * (gamma + 1))), reverse=True)
+    return conf, SPSProfile.from_table({b: rates[b - 1] for b in range(1, R * (gamma + 1) + 1)})
+
+
+def _theta_padded(width, conf, sps):
+    R = conf.shape[0]
+    return (R + float(conf.cumprod(-1)[:, :width].sum())) * sps(R * (1 + width))
+
+
+def test_padded_planner_walks_columns_with_early_stop():
+    rng = random.Random(1)
+    for _ in range(300):
+        conf, sps = _random_problem(rng)
+        got = plan_verify_width(conf, sps)
+        expected = 0
+        for width in range(1, conf.shape[1] + 1):
+            if _theta_padded(width, conf, sps) <= _theta_padded(expected, conf, sps):
+                break
+            expected = width
+        assert got == expected
+        assert _theta_padded(got, conf, sps) >= _theta_padded(0, conf, sps)
+        if conf.shape[0] == 1:  # one row: a column is a token, so it is Algorithm 1 itself
+            assert [got] == plan_verify_lengths(conf, sps)
+        # the asynchronous width is the global optimum over columns
+        thetas = [_theta_padded(w, conf, sps) for w in range(conf.shape[1] + 1)]
+        assert plan_capacity_width(conf, sps) == max(range(len(thetas)), key=lambda w: thetas[w])
+
+
+@pytest.mark.parametrize("c2", [0.0, 0.3, 0.9, 1.0])
+def test_padded_planner_passes_the_counterexample(c2):
+    assert plan_verify_width(torch.tensor([[0.8, c2]]), COUNTEREXAMPLE) == 0
+
+
+def test_padded_planner_prices_a_column_not_a_token():
+    # two rows at c = 0.9; widening the [2, 1] block to [2, 2] costs SPS 1.0 -> 0.6 whatever fills it
+    sps = SPSProfile.from_table({2: 1.0, 3: 0.6, 4: 0.6, 6: 0.3})
+    conf = torch.tensor([[0.9, 0.1], [0.9, 0.1]])
+    # per token (packed): the first token alone gives Θ = 2.9 · 0.6 = 1.74 < 2.0 -> stop, verify nothing
+    assert plan_verify_lengths(conf, sps) == [0, 0]
+    # per column (padded): both first tokens for the same price, Θ = 3.8 · 0.6 = 2.28 > 2.0; the next column
+    # gives (3.8 + 0.18) · 0.3 < 2.28 -> stop
+    assert plan_verify_width(conf, sps) == 1
+    caps = [2, 2]
+    assert choose_lengths("scheduled", conf, caps, [], sps, 0.5, "padded") == [1, 1]
+    assert choose_lengths("scheduled", conf, caps, [], sps, 0.5, "packed") == [0, 0]
+    # a row's cap (length limit, finished row) bounds it whatever the width
+    assert choose_lengths("scheduled", conf, [2, 0], [], sps, 0.5, "padded") == [0, 0]
+    flat = SPSProfile.from_callable(lambda B: 1.0)
+    assert choose_lengths("scheduled", conf, [2, 1], [], flat, 0.5, "padded") == [2, 1]
+    with pytest.raises(ValueError, match="verify_layout must be one of"):
+        choose_lengths("scheduled", conf, caps, [], sps, 0.5, "ragged")
+    with pytest.raises(ValueError, match="verify_layout must be one of"):
+        DSparkConfig(verify_layout="ragged")
 
 
 def test_async_capacity_then_top_k():
