@@ -20,7 +20,12 @@ def _table(results: list[dict] | None, kind: str) -> str:
         return "Not measured yet."
     from .evaluation import bench, evaluate
 
-    return (evaluate.markdown_table if kind == "eval" else bench.markdown_table)(results)
+    first = results[0]
+    where = (
+        f"Measured {first.get('date', '?')} on {first.get('machine', '?')}, {first.get('threads', '?')} threads, "
+        f"{first.get('device', '?')}, {first.get('dtype', '?')}.\n\n"
+    )
+    return where + (evaluate.markdown_table if kind == "eval" else bench.markdown_table)(results)
 
 
 def render_card(draft_dir: str | Path, name: str | None = None, target: str | None = None,

@@ -42,7 +42,8 @@ def test_card_renders_config_and_results(tmp_path):
     draft.save_pretrained(tmp_path)
     (tmp_path / "eval.json").write_text(json.dumps([{
         "dataset": "gsm8k", "temperature": 0.0, "prompts": 30, "tau": 3.21, "verify_rate": 0.5,
-        "tokens_per_s": 25.0, "position_acceptance": [0.8, 0.7, None, None],
+        "tokens_per_s": 25.0, "position_acceptance": [0.8, 0.7, None, None], "date": "2026-11-29",
+        "machine": "x86_64 2 cores (Linux)", "threads": 2, "device": "cpu", "dtype": "bfloat16",
     }]))  # fmt: skip
     (tmp_path / "training.json").write_text(json.dumps({"data": "700 prompts", "steps": 1000}))
     card = render_card(tmp_path, name="org/draft", target="org/target")
@@ -51,5 +52,6 @@ def test_card_renders_config_and_results(tmp_path):
     assert "per-position temperatures [1.5, 1.2, 1.1, 1.0]" in card
     assert "| draft vocabulary | 3 tokens (proposals restricted to them;" in card
     assert "| gsm8k | 0.0 | 30 | 3.21 | 0.50 | 25.0 | 0.80 0.70 - - |" in card
+    assert "Measured 2026-11-29 on x86_64 2 cores (Linux), 2 threads, cpu, bfloat16." in card
     assert "- **data**: 700 prompts" in card and "Not measured yet." in card  # no bench.json
     assert 'DSparkDraftModel.from_pretrained("org/draft")' in card
