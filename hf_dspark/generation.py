@@ -14,6 +14,7 @@ at the end of a round are cropped, so a single row never carries holes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,21 @@ def _torch_slot(draft, logits, h_k, prev, state, histories, logits_processor, do
     return torch.multinomial(p, 1)[:, 0], p, conf, state
 
 
+def _subset_slot(draft, logits, h_k, prev, state, histories, logits_processor, do_sample, conf_temperature, *,
+                 rows, vocab):  # fmt: skip
+    """Greedy slot over a draft vocabulary: logits [R, Vd] and the head's bias from W2's ``rows`` [Vd, r];
+    the argmax column maps back to a token id through ``vocab``. Same tokens as ``_torch_slot`` on the -inf-padded
+    full logits (``vocab`` is sorted, so ties resolve to the same token)."""
+    head, conf_head, feature, conf = draft.sequential_head, draft.confidence, None, None
+    if head is not None:
+        bias, feature, state = head.step(prev, h_k, state, rows=rows)
+        if draft.head_enabled:
+            logits = logits + bias
+    if conf_head is not None:
+        conf = conf_head.calibrated(conf_head.logit(h_k, feature), conf_temperature)
+    return vocab[logits.float().argmax(-1)], None, conf, state
+
+
 def _kernel_slot(draft, logits, h_k, prev, state, histories, logits_processor, do_sample, conf_temperature):
     """The same slot through the fused Triton step (temperature is the only processing it fuses)."""
     temperature = fused_temperature(logits_processor)
@@ -154,9 +170,16 @@ def draft_block(
     if not bool(context.valid.all()):
         mask = torch.cat([context.valid, torch.ones(R, gamma, dtype=torch.bool, device=device)], dim=1)
         mask = mask[:, None, :].expand(R, gamma, -1)
-    out = draft(draft.embed_block(anchors), positions, list(zip(context.keys, context.values, strict=True)), mask)
-    temps, off = draft.config.sts_temperatures, draft.config.draft_offset
     step = _kernel_slot if use_kernels(draft, device, logits_processor) else _torch_slot
+    # greedy with no logits processors and a draft vocabulary: choose tokens inside the subset, never building
+    # [R, V] logits (the head's bias and the argmax then cover len(draft_vocab) columns instead of V)
+    subset = step is _torch_slot and not do_sample and not logits_processor and draft.draft_vocab is not None
+    context_kv = list(zip(context.keys, context.values, strict=True))
+    out = draft(draft.embed_block(anchors), positions, context_kv, mask, compute_logits=not subset)
+    logits = draft.draft_vocab_logits(out.hidden_states) if subset else out.logits
+    if subset:
+        step = functools.partial(_subset_slot, rows=draft.head_vocab_rows(), vocab=draft.draft_vocab)
+    temps, off = draft.config.sts_temperatures, draft.config.draft_offset
     tokens, probs, confs = [], [], []
     prev, state = anchors, None
     for k in range(max_tokens):
@@ -166,7 +189,7 @@ def draft_block(
             hist = [torch.cat([h, so_far[r]]) for r, h in enumerate(histories)]
         slot = k + off  # DFlash convention: the anchor slot proposes nothing
         token, p, conf, state = step(
-            draft, out.logits[:, slot], out.hidden_states[:, slot], prev, state, hist, logits_processor, do_sample,
+            draft, logits[:, slot], out.hidden_states[:, slot], prev, state, hist, logits_processor, do_sample,
             temps[k] if temps else None,
         )  # fmt: skip
         tokens.append(token)

@@ -6,6 +6,8 @@ which:
 
     bias [R, V], feature [R, r], state = head.step(prev_tokens [R], h_k [R, d], state)
 
+(``rows=W2[subset]`` gives the bias over a vocabulary subset instead, [R, len(subset)].)
+
 ``feature`` is W1[x_{k-1}], the input the confidence head reads beside h_k. ``teacher_forced`` runs all γ steps
 at once from known previous tokens (training, calibration).
 """
@@ -13,6 +15,7 @@ at once from known previous tokens (training, calibration).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .configuration_dspark import DSparkConfig
@@ -29,9 +32,11 @@ class MarkovHead(nn.Module):
     def _mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return e
 
-    def step(self, prev: torch.Tensor, h: torch.Tensor, state=None):
+    def step(self, prev: torch.Tensor, h: torch.Tensor, state=None, rows: torch.Tensor | None = None):
+        """-> bias [R, V] (or [R, len(rows)] over a vocabulary subset given as W2's rows), feature, state."""
         e = self.markov_w1(prev)
-        return self.markov_w2(self._mix(e, h)), e, state
+        code = self._mix(e, h)
+        return (self.markov_w2(code) if rows is None else F.linear(code, rows)), e, state
 
     def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor):
         """prev [..., γ], h [..., γ, d] -> bias [..., γ, V], feature [..., γ, r]."""
@@ -71,9 +76,9 @@ class RNNHead(nn.Module):
         state = gate * state + (1 - gate) * torch.tanh(cand)
         return torch.tanh(out), e, state
 
-    def step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None):
+    def step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None, rows=None):
         code, e, state = self.code_step(prev, h, state)
-        return self.markov_w2(code), e, state
+        return (self.markov_w2(code) if rows is None else F.linear(code, rows)), e, state
 
     def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor):
         state, biases, feats = None, [], []

@@ -159,7 +159,7 @@ class DSparkDraftModel(PreTrainedModel):
             self.register_buffer("draft_vocab", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab = None
-        self._vocab_rows: tuple | None = None  # (key, LM-head rows of draft_vocab), rebuilt when either changes
+        self._vocab_rows: dict | None = None  # name -> (key, rows of draft_vocab, bias), rebuilt on any change
         self._target: _TargetRef | None = None
         self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
         self.sps_profile = None  # hf_dspark.scheduler.SPSProfile; measured on first scheduled generate if unset
@@ -249,20 +249,39 @@ class DSparkDraftModel(PreTrainedModel):
         self._vocab_rows = None
         return self
 
+    def _subset_rows(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None):
+        """``weight[draft_vocab]`` (and ``bias``), gathered once and reused until the weight or the vocabulary
+        changes (keyed by identity, version and storage)."""
+        key = (name, id(weight), weight._version, weight.data_ptr(), self.draft_vocab.data_ptr())
+        cached = self._vocab_rows.get(name) if self._vocab_rows else None
+        if cached is None or cached[0] != key:
+            rows = weight[self.draft_vocab].contiguous()
+            cached = (key, rows, bias[self.draft_vocab] if bias is not None else None)
+            self._vocab_rows = {**(self._vocab_rows or {}), name: cached}
+        return cached[1], cached[2]
+
+    def draft_vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., d] -> base logits over the draft vocabulary only, [..., len(draft_vocab)] (column i is token
+        ``draft_vocab[i]``). Needs a draft vocabulary."""
+        head = self._target.lm_head if self._target is not None else None
+        if head is None:
+            raise RuntimeError("This draft is not attached to a target: call draft.attach(target) first.")
+        weight, bias = self._subset_rows("lm_head", head.weight, getattr(head, "bias", None))
+        return F.linear(h.to(weight.dtype), weight, bias)
+
+    def head_vocab_rows(self) -> torch.Tensor | None:
+        """The sequential head's output matrix W2 restricted to the draft vocabulary, [len(draft_vocab), r]
+        (``None`` without a draft vocabulary or a sequential head): the bias over the subset is code @ rowsᵀ."""
+        if self.draft_vocab is None or self.sequential_head is None:
+            return None
+        return self._subset_rows("markov_w2", self.sequential_head.markov_w2.weight, None)[0]
+
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] -> base logits [..., V] over the full vocabulary; with a draft vocabulary only its rows are
         computed and every other token gets -inf."""
         if self.draft_vocab is None:
             return self.lm_head(h)
-        head = self._target.lm_head if self._target is not None else None
-        if head is None:
-            raise RuntimeError("This draft is not attached to a target: call draft.attach(target) first.")
-        key = (id(head), head.weight._version, head.weight.data_ptr(), self.draft_vocab.data_ptr())
-        if self._vocab_rows is None or self._vocab_rows[0] != key:
-            bias = head.bias[self.draft_vocab] if getattr(head, "bias", None) is not None else None
-            self._vocab_rows = (key, head.weight[self.draft_vocab].contiguous(), bias)
-        _, weight, bias = self._vocab_rows
-        sub = F.linear(h.to(weight.dtype), weight, bias)
+        sub = self.draft_vocab_logits(h)
         full = sub.new_full((*sub.shape[:-1], self.config.target_vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, sub)
 

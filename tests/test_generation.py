@@ -337,3 +337,42 @@ def test_scheduler_backs_off_drafting_when_it_verifies_nothing(profitable):
             b = min(2 * b or 1, MAX_BACKOFF)
             r += b + 1
         assert len(calls) == len(expected) < rounds // 3
+
+
+@pytest.mark.parametrize("head", ["none", "markov", "gated", "rnn"])
+def test_greedy_drafting_inside_the_draft_vocabulary_equals_the_full_path(head, monkeypatch):
+    """With a draft vocabulary, greedy drafting without logits processors picks tokens among len(subset) columns;
+    it must propose exactly what the -inf-padded full-vocabulary path proposes, with the same confidences."""
+    from transformers.generation import LogitsProcessor, LogitsProcessorList
+
+    from hf_dspark import generation
+    from hf_dspark.generation import DraftContext, draft_block
+
+    calls = []
+    real = generation._subset_slot
+    monkeypatch.setattr(generation, "_subset_slot", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    class Identity(LogitsProcessor):  # any processor sends drafting down the full-vocabulary path
+        def __call__(self, input_ids, scores):
+            return scores
+
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8)
+    if draft.sequential_head is not None:
+        with torch.no_grad():
+            draft.sequential_head.markov_w2.weight.normal_(0, 3.0)
+    draft.set_draft_vocab(list(range(3, 96, 3)))
+    R = 3
+    ctx = DraftContext.empty(draft, R, torch.device("cpu"))
+    feats = torch.randn(R, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64)
+    ctx.extend(draft, feats, torch.arange(6).expand(R, 6), torch.ones(R, 6, dtype=torch.bool))
+    history = [torch.tensor([7, 8, 9, 10, 11, 12, 13]), torch.tensor([1, 2, 3, 4, 5, 6, 40]), torch.arange(20, 27)]
+    args = (draft, ctx, history, torch.full((R,), 6), 4)
+    subset = draft_block(*args, LogitsProcessorList(), False)
+    assert len(calls) == 4  # one per slot: the subset path ran
+    full = draft_block(*args, LogitsProcessorList([Identity()]), False)
+    assert len(calls) == 4
+    assert subset.tokens.tolist() == full.tokens.tolist()
+    assert set(subset.tokens.flatten().tolist()) <= set(range(3, 96, 3))
+    if draft.confidence is not None:
+        torch.testing.assert_close(subset.confidences, full.confidences, rtol=0, atol=0)
