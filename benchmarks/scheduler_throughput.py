@@ -60,10 +60,14 @@ def count_new(out, width, eos):
 
 
 @contextmanager
-def hindsight(reference: list[list[int]]):
+def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
     """The oracle: each row verifies exactly the draft tokens that match ``reference`` (plain greedy's output rows,
     same left padding), i.e. the tokens that were going to be accepted. It wraps the decoding loop's draft and
-    length choice; verification itself is untouched, so the output stays exact."""
+    length choice; verification itself is untouched, so the output stays exact.
+
+    In reduced precision a row's output can part from plain greedy's at a logit tie (see ``hf-dspark bench``);
+    from then on the reference no longer predicts acceptance, so that row verifies every draft token it may
+    (its cap), and its index is added to ``diverged``. In float32 no row diverges."""
     real_draft, real_choose = generation.draft_block, generation.choose_lengths
     seen = {}
 
@@ -75,10 +79,15 @@ def hindsight(reference: list[list[int]]):
     def choose_lengths(mode, confidences, caps, history, sps, threshold, layout="padded"):
         lengths = []
         for r, cap in enumerate(caps):
-            done, ref = len(seen["histories"][r]), reference[r]
+            done, ref = seen["histories"][r].tolist(), reference[r]
+            if done != ref[: len(done)]:
+                if diverged is not None:
+                    diverged.add(r)
+                lengths.append(cap)
+                continue
             drafted = seen["proposal"].tokens[r, :cap].tolist()
             n = 0
-            while n < len(drafted) and done + n < len(ref) and drafted[n] == ref[done + n]:
+            while n < len(drafted) and len(done) + n < len(ref) and drafted[n] == ref[len(done) + n]:
                 n += 1
             lengths.append(n)
         return lengths
@@ -108,7 +117,8 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int) -> dict:
         else:
             draft.config.verify_mode, draft.config.verify_limit = setting
             draft.config.verify_layout = "packed" if name.endswith("-packed") else "padded"
-            with hindsight(reference) if name == "oracle" else nullcontext():
+            diverged: set[int] = set()
+            with hindsight(reference, diverged) if name == "oracle" else nullcontext():
                 out = target.generate(ids, assistant_model=draft, **kw)
         dt = time.perf_counter() - t0
         n = count_new(out, width, eos)
@@ -117,6 +127,8 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int) -> dict:
             st = draft.stats
             budget = [x for rnd in st.verify_rounds for x in rnd]
             row[name].update(tau=st.tau, verify_per_request=sum(budget) / max(len(budget), 1))
+            if name == "oracle":
+                row[name]["rows_off_reference"] = len(diverged)
         print(f"R={R:2d} {name:10s} {row[name]['tok_per_s']:7.1f} tok/s" + (
             f"  tau {row[name]['tau']:.2f}  verify/request {row[name]['verify_per_request']:.2f}"
             if setting is not None else ""), flush=True)  # fmt: skip
