@@ -99,8 +99,9 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
         generation.draft_block, generation.choose_lengths = real_draft, real_choose
 
 
-def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int) -> dict:
-    """Every mode on the same R prompts; -> {mode: {tokens, seconds, tok_per_s[, tau, verify_per_request]}}."""
+def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: int = 1) -> dict:
+    """Every mode on the same R prompts, ``repeats`` passes over all modes (A B C … A B C …, so drift hits all);
+    -> {mode: {tokens, seconds, tok_per_s[, tau, verify_per_request, rows_off_reference]}} summed over passes."""
     gamma = draft.config.num_draft_tokens
     ids, mask = batch(tokenizer, mixed_prompts(R))
     width, eos = ids.shape[1], tokenizer.eos_token_id
@@ -108,30 +109,39 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int) -> dict:
     modes = {"plain": None, **{f"fixed-{g}": ("fixed", g) for g in (2, 4, 8) if g <= gamma},
              "scheduled": ("scheduled", None), "scheduled-packed": ("scheduled", None), "async": ("async", None),
              "oracle": ("fixed", None)}  # fmt: skip
-    row, reference = {"R": R}, None
-    for name, setting in modes.items():
-        t0 = time.perf_counter()
-        if setting is None:
-            out = target.generate(ids, **kw)
-            reference = out.tolist()
-        else:
-            draft.config.verify_mode, draft.config.verify_limit = setting
-            draft.config.verify_layout = "packed" if name.endswith("-packed") else "padded"
-            diverged: set[int] = set()
-            with hindsight(reference, diverged) if name == "oracle" else nullcontext():
-                out = target.generate(ids, assistant_model=draft, **kw)
-        dt = time.perf_counter() - t0
-        n = count_new(out, width, eos)
-        row[name] = {"tokens": n, "seconds": dt, "tok_per_s": n / dt}
-        if setting is not None:
-            st = draft.stats
-            budget = [x for rnd in st.verify_rounds for x in rnd]
-            row[name].update(tau=st.tau, verify_per_request=sum(budget) / max(len(budget), 1))
-            if name == "oracle":
-                row[name]["rows_off_reference"] = len(diverged)
-        print(f"R={R:2d} {name:10s} {row[name]['tok_per_s']:7.1f} tok/s" + (
+    totals = {name: {"tokens": 0, "seconds": 0.0, "committed": 0, "rounds": 0, "budget": []} for name in modes}
+    reference, diverged = None, set()
+    for _ in range(repeats):
+        for name, setting in modes.items():
+            t0 = time.perf_counter()
+            if setting is None:
+                out = target.generate(ids, **kw)
+                reference = out.tolist()
+            else:
+                draft.config.verify_mode, draft.config.verify_limit = setting
+                draft.config.verify_layout = "packed" if name.endswith("-packed") else "padded"
+                with hindsight(reference, diverged) if name == "oracle" else nullcontext():
+                    out = target.generate(ids, assistant_model=draft, **kw)
+            t = totals[name]
+            t["seconds"] += time.perf_counter() - t0
+            t["tokens"] += count_new(out, width, eos)
+            if setting is not None:
+                t["committed"] += sum(draft.stats.committed)
+                t["rounds"] += draft.stats.rounds
+                t["budget"] += [x for rnd in draft.stats.verify_rounds for x in rnd]
+    row = {"R": R}
+    for name, t in totals.items():
+        row[name] = {"tokens": t["tokens"], "seconds": t["seconds"], "tok_per_s": t["tokens"] / t["seconds"]}
+        if modes[name] is not None:
+            budget = t["budget"]
+            row[name].update(
+                tau=t["committed"] / max(t["rounds"], 1), verify_per_request=sum(budget) / max(len(budget), 1)
+            )
+        if name == "oracle":
+            row[name]["rows_off_reference"] = len(diverged)
+        print(f"R={R:2d} {name:16s} {row[name]['tok_per_s']:7.1f} tok/s" + (
             f"  tau {row[name]['tau']:.2f}  verify/request {row[name]['verify_per_request']:.2f}"
-            if setting is not None else ""), flush=True)  # fmt: skip
+            if modes[name] is not None else ""), flush=True)  # fmt: skip
     return row
 
 
@@ -142,7 +152,8 @@ def markdown(result: dict) -> str:
     head = ["R", *names, "scheduled verify/request", "scheduled / best fixed", "scheduled / oracle"]
     lines = [
         f"Measured {result['date']}, {result['dtype']}, {result['threads']} threads, "
-        f"{result['max_new_tokens']} new tokens per prompt, γ = {result['gamma']}; total tokens/s.",
+        f"{result['max_new_tokens']} new tokens per prompt, γ = {result['gamma']}; total tokens/s over "
+        f"{result.get('repeats', 1)} interleaved pass(es) of all modes.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -180,10 +191,11 @@ def main() -> None:
     ap.add_argument("--draft", type=Path, default=None, help="draft folder (default: the shipped draft)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="passes over all modes per R (summed)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has native bf16 units (see embedded.fast_dtype)")  # fmt: skip
     ap.add_argument(
-        "--readme", type=Path, default=None, help="also write the table into this README's throughput block"
+        "--readme", type=Path, default=None, help="also write the table into this README's throughput-<dtype> block"
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/scheduler_throughput.json"))
     ap.add_argument("--from-json", action="store_true", help="only rewrite the table and plot from --out")
@@ -200,16 +212,17 @@ def main() -> None:
         gamma = draft.config.num_draft_tokens
         grid = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, max(args.rows) * (gamma + 1)})
         draft.sps_profile = SPSProfile.measure(target, grid=grid)
-        rows = [run_modes(target, draft, tokenizer, R, args.max_new_tokens) for R in args.rows]
+        rows = [run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats) for R in args.rows]
         result = {"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype).replace("torch.", ""),
-                  "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "gamma": gamma,
+                  "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                  "gamma": gamma,
                   "sps": draft.sps_profile.table, "rows": rows}  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
     args.out.with_suffix(".md").write_text(markdown(result))
     plot(result, args.out.with_suffix(".png"))
     if args.readme is not None:
-        replace_block(args.readme, "throughput", markdown(result))
+        replace_block(args.readme, f"throughput-{result['dtype']}", markdown(result))
     print(markdown(result))
     print(f"wrote {args.out} (.md, .png)")
 
