@@ -75,7 +75,7 @@ def fast_dtype() -> torch.dtype:
     """The dtype in which speculative decoding pays on this CPU: bfloat16 where the CPU has native bf16 units.
 
     Why: in float32, PyTorch's CPU matmul runs one token as a matrix-vector product but 2+ tokens through a GEMM
-    that costs 1.7-2x as much, so verifying a block costs about two plain steps. In bfloat16 (oneDNN, native
-    units) a 9-token forward costs no more than a 1-token one. Measured on this project's 2-core CPU.
+    that costs 1.5-2x as much, so verifying a block costs about two plain steps. In bfloat16 (oneDNN, native
+    units) an 8-token forward costs within ~15% of a 1-token one (benchmarks/verify_cost.py, 2-core CPU).
     """
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

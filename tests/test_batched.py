@@ -27,6 +27,25 @@ def new_tokens(row, eos):
 PROMPTS = [[5, 17, 33, 2, 9, 41, 8], [12, 3], [70, 71, 72, 73, 74], [90, 15, 15, 60]]
 
 
+def scripted_draft(draft, refs, right):
+    """Patch ``draft`` (batched over PROMPTS, left-padded) so slot k of row r proposes the row's reference token
+    when ``right(r, k)``, and a wrong one otherwise (head "none": the base logits are the proposals)."""
+    original = draft.forward
+
+    def forward(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
+        out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
+        logits = torch.full_like(out.logits, -1e4)
+        for r in range(block_positions.shape[0]):
+            for k, pos in enumerate(block_positions[r].tolist()):
+                i = pos + 1 - len(PROMPTS[r])  # index into the row's new tokens
+                good = int(refs[r][i]) if 0 <= i < len(refs[r]) else 3
+                logits[r, k, good if right(r, k) else (good + 1) % 96] = 1e4
+        out.logits = logits
+        return out
+
+    draft.forward = forward
+
+
 @pytest.mark.parametrize("mode", ["fixed", "threshold", "scheduled", "async"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_batched_greedy_equals_per_row_plain_greedy(mode, arch):
@@ -70,21 +89,7 @@ def test_batched_rows_accept_different_amounts():
     ids, mask = left_pad(PROMPTS)
     width = ids.shape[1]
     offsets = [width - len(p) for p in PROMPTS]
-    original = draft.forward
-
-    def oracle(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
-        out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
-        logits = torch.full_like(out.logits, -1e4)
-        for r in range(block_positions.shape[0]):
-            for k, pos in enumerate(block_positions[r].tolist()):
-                i = pos + 1 - len(PROMPTS[r])  # index into the row's new tokens
-                good = int(refs[r][i]) if 0 <= i < len(refs[r]) else 3
-                token = good if r % 2 == 0 else (good + 1) % 96  # even rows: right; odd rows: always wrong
-                logits[r, k, token] = 1e4
-        out.logits = logits
-        return out
-
-    draft.forward = oracle
+    scripted_draft(draft, refs, lambda r, k: r % 2 == 0)  # even rows: always right; odd rows: always wrong
     out = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft)
     for r in range(4):
         assert out[r, width:].tolist() == refs[r].tolist(), f"row {r}"
@@ -164,20 +169,7 @@ def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="none")
     refs = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :] for p in PROMPTS]
     ids, mask = left_pad(PROMPTS)
-    original = draft.forward
-
-    def right_then_wrong(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
-        out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
-        logits = torch.full_like(out.logits, -1e4)
-        for r in range(block_positions.shape[0]):
-            for k, pos in enumerate(block_positions[r].tolist()):
-                i = pos + 1 - len(PROMPTS[r])
-                good = int(refs[r][i]) if 0 <= i < len(refs[r]) else 3
-                logits[r, k, good if k < draft.config.draft_offset + 2 else (good + 1) % 96] = 1e4
-        out.logits = logits
-        return out
-
-    draft.forward = right_then_wrong
+    scripted_draft(draft, refs, lambda r, k: k < draft.config.draft_offset + 2)  # right for 2 tokens, then wrong
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
     runs, real = {}, (bench.generation.draft_block, bench.generation.choose_lengths)
