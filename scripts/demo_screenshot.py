@@ -1,6 +1,6 @@
 """Retake docs/demo.png: the demo on the embedded default, one prompt, in headless Chromium.
 
-    PYTHONPATH=. python scripts/demo_screenshot.py [--prompt TEXT] [--out docs/demo.png]
+    PYTHONPATH=. python scripts/demo_screenshot.py [--prompt TEXT] [--out docs/demo.png] [--dtype auto]
 
 The page's defaults are used (greedy, 128 new tokens, the draft's block size, scheduled verification).
 """
@@ -20,10 +20,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     ap.add_argument("--out", default="docs/demo.png")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
-    demo = build_demo(*load_pair("embedded", None))
+    demo = build_demo(*load_pair("embedded", None, args.dtype))
     demo.queue().launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
     try:
         with sync_playwright() as p:
