@@ -218,13 +218,15 @@ def resolve_verify_mode(draft: DSparkDraftModel) -> str:
 
 
 def sps_profile(draft: DSparkDraftModel, target, rows: int) -> SPSProfile:
-    """``draft.sps_profile`` if set, else measured once on the target (and cached on disk)."""
-    if getattr(draft, "sps_profile", None) is None:
-        gamma = draft.config.num_draft_tokens
-        top = rows * (gamma + 1)
-        grid = sorted({1, 2, 3, 4, 6, 8, 12, 16, top // 2, top} - {0})
-        draft.sps_profile = SPSProfile.measure(target, grid=grid)
-    return draft.sps_profile
+    """``draft.sps_profile`` if set; else the target's profile for a batch of ``rows``, measured on the shapes this
+    loop verifies ([rows, 1 + ℓ] blocks, ℓ = 0..γ) once per (target, dtype, device, rows) and cached on disk."""
+    if getattr(draft, "sps_profile", None) is not None:
+        return draft.sps_profile
+    key = (id(target), target.dtype, str(target.device), rows)
+    if key not in draft.measured_sps:
+        grid = [rows * width for width in range(1, draft.config.num_draft_tokens + 2)]
+        draft.measured_sps[key] = SPSProfile.measure(target, grid=grid, rows=rows)
+    return draft.measured_sps[key]
 
 
 def choose_lengths(mode, confidences, caps, history, sps, threshold, layout: str = "padded") -> list[int]:

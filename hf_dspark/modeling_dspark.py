@@ -162,7 +162,8 @@ class DSparkDraftModel(PreTrainedModel):
         self._vocab_rows: dict | None = None  # name -> (key, rows of draft_vocab, bias), rebuilt on any change
         self._target: _TargetRef | None = None
         self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
-        self.sps_profile = None  # hf_dspark.scheduler.SPSProfile; measured on first scheduled generate if unset
+        self.sps_profile = None  # hf_dspark.scheduler.SPSProfile set by the user; overrides the measured ones
+        self.measured_sps: dict = {}  # (target id, dtype, device, rows) -> profile measured on first scheduled use
         self.head_enabled = True  # False: propose from the parallel backbone alone (demo toggle, ablations)
         self.post_init()
 

@@ -83,7 +83,9 @@ class SPSProfile:
     # ----- measuring on the actual engine -----------------------------------------------------------------
 
     @staticmethod
-    def cache_key(target, device: torch.device, dtype: torch.dtype, grid: list[int], context: int) -> tuple[str, dict]:
+    def cache_key(
+        target, device: torch.device, dtype: torch.dtype, grid: list[int], context: int, rows: int = 1
+    ) -> tuple[str, dict]:
         import transformers
 
         ident = {
@@ -95,6 +97,7 @@ class SPSProfile:
             "transformers": transformers.__version__,
             "grid": grid,
             "context": context,
+            "rows": rows,
         }
         return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20], ident
 
@@ -106,14 +109,16 @@ class SPSProfile:
         context: int = 256,
         reps: int = 5,
         cache_dir: str | Path | None = CACHE_DIR,
+        rows: int = 1,
     ) -> SPSProfile:
         """Time the target verifying B tokens after a ``context``-token cache, for B in ``grid`` (median of
         ``reps``), on its own device and dtype. Cached as JSON per (target, device, dtype, versions, grid);
         a corrupt or mismatched cache file is rebuilt. The measured table is made non-increasing (running min),
-        since timing noise must not make the scheduler believe a longer step is faster."""
+        since timing noise must not make the scheduler believe a longer step is faster. ``rows`` > 1 times the
+        [rows, B / rows] blocks of a padded batched verify (B in ``grid`` must be multiples of ``rows``)."""
 
         grid = sorted(set(grid or [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17]))
-        key, ident = cls.cache_key(target, target.device, target.dtype, grid, context)
+        key, ident = cls.cache_key(target, target.device, target.dtype, grid, context, rows)
         path = Path(cache_dir) / f"{key}.json" if cache_dir is not None else None
         if path is not None and path.is_file():
             try:
@@ -122,7 +127,7 @@ class SPSProfile:
                     return cls.from_table({int(b): s for b, s in saved["table"].items()})
             except (ValueError, KeyError, TypeError):
                 pass  # corrupt or stale: measure again and overwrite
-        table = {B: 1.0 / seconds for B, seconds in time_verify_steps(target, grid, context, reps).items()}
+        table = {B: 1.0 / seconds for B, seconds in time_verify_steps(target, grid, context, reps, rows).items()}
         running = float("inf")
         for B in grid:
             running = min(running, table[B])
@@ -136,27 +141,33 @@ class SPSProfile:
 
 
 @torch.no_grad()
-def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5) -> dict[int, float]:
+def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5, rows: int = 1) -> dict[int, float]:
     """Median seconds of one target forward over B new tokens after a ``context``-token cache, for B in ``grid``
-    (random token ids; the first of ``reps + 1`` runs is a warm-up). Raw times: not made monotone."""
+    (random token ids; the first of ``reps + 1`` runs is a warm-up). With ``rows`` > 1 the B tokens are a
+    [rows, B / rows] block on a batch of ``rows`` caches, the shape a padded batched verify has (every B must
+    then be a multiple of ``rows``). Raw times: not made monotone."""
     from transformers import DynamicCache
 
+    if rows < 1 or any(B % rows for B in grid):
+        raise ValueError(f"every B in the grid must be a positive multiple of rows = {rows}, got {sorted(grid)}")
     vocab = target.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, context + max(grid)), generator=torch.Generator().manual_seed(0))
+    width = max(grid) // rows
+    ids = torch.randint(0, vocab, (rows, context + width), generator=torch.Generator().manual_seed(0))
     ids = ids.to(target.device)
     cache = DynamicCache()
     sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
     target(input_ids=ids[:, :context], cache=cache, use_cache=True)
     out = {}
     for B in sorted(set(grid)):
+        W = B // rows
         times = []
         for _ in range(reps + 1):
             sync()
             t0 = time.perf_counter()
-            target(input_ids=ids[:, context : context + B], cache=cache, use_cache=True)
+            target(input_ids=ids[:, context : context + W], cache=cache, use_cache=True)
             sync()
             times.append(time.perf_counter() - t0)
-            cache.crop(-B)
+            cache.crop(-W)
         out[B] = statistics.median(times[1:])
     return out
 

@@ -214,6 +214,36 @@ def test_measure_caches_and_rebuilds_corrupt_files(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
+def test_measure_on_batch_shapes(tmp_path, monkeypatch):
+    """rows > 1 times [rows, B / rows] blocks, cached under its own key; generate measures the profile for its own
+    batch size on the widths it verifies (1 + ℓ, ℓ = 0..γ), once per batch size, unless the user set one."""
+    from hf_dspark import DSparkDraftModel, generation, scheduler
+
+    target = tiny_target("llama")
+    shapes = []
+    real_forward = target.forward
+    monkeypatch.setattr(
+        target, "forward", lambda *a, **k: shapes.append(tuple(k["input_ids"].shape)) or real_forward(*a, **k)
+    )
+    sps = SPSProfile.measure(target, grid=[3, 6, 9], context=8, reps=1, cache_dir=tmp_path, rows=3)
+    assert sorted(sps.table) == [3, 6, 9]
+    assert shapes == [(3, 8)] + [(3, 1)] * 2 + [(3, 2)] * 2 + [(3, 3)] * 2  # prefill, then warm-up + 1 rep each
+    SPSProfile.measure(target, grid=[3, 6, 9], context=8, reps=1, cache_dir=tmp_path)  # one row: another key
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    with pytest.raises(ValueError, match="multiple of rows = 2"):
+        SPSProfile.measure(target, grid=[2, 3], context=8, reps=1, cache_dir=None, rows=2)
+
+    calls = []
+    monkeypatch.setattr(scheduler.SPSProfile, "measure",
+                        classmethod(lambda cls, t, grid, rows: calls.append((rows, grid)) or cls.from_callable(lambda B: 1.0)))  # noqa: E501  # fmt: skip
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    for rows in (4, 4, 1):
+        generation.sps_profile(draft, target, rows)
+    assert calls == [(4, [4, 8, 12, 16, 20]), (1, [1, 2, 3, 4, 5])]
+    draft.sps_profile = user = SPSProfile.from_table({1: 2.0})
+    assert generation.sps_profile(draft, target, 4) is user and len(calls) == 2
+
+
 def test_exhaustive_lengths_are_prefixes():
     for c in itertools.product([0.0, 0.3, 0.99], repeat=3):
         lengths = plan_verify_lengths(torch.tensor([c]), SPSProfile.from_callable(lambda B: 1 / B**0.2))
