@@ -97,16 +97,23 @@ def _target_forward(target, ids, positions, attention_mask, cache):
     )
 
 
-def _torch_slot(draft, logits, h_k, prev, state, histories, logits_processor, do_sample, conf_temperature):
-    """One slot on the PyTorch path: head bias, confidence, the target's processors (per row, with that row's
-    history), argmax or sample. -> (tokens [R], processed probs [R, V] or None, confidences [R] or None, state)."""
+def _head_and_confidence(draft, logits, h_k, prev, state, conf_temperature, rows=None):
+    """The sequential head's bias added to one slot's logits (over W2's ``rows`` when given) and the slot's
+    confidence: -> (logits, confidences [R] or None, head state)."""
     head, conf_head, feature, conf = draft.sequential_head, draft.confidence, None, None
     if head is not None:
-        bias, feature, state = head.step(prev, h_k, state)
+        bias, feature, state = head.step(prev, h_k, state, rows=rows)
         if draft.head_enabled:
             logits = logits + bias
     if conf_head is not None:
         conf = conf_head.calibrated(conf_head.logit(h_k, feature), conf_temperature)
+    return logits, conf, state
+
+
+def _torch_slot(draft, logits, h_k, prev, state, histories, logits_processor, do_sample, conf_temperature):
+    """One slot on the PyTorch path: head bias, confidence, the target's processors (per row, with that row's
+    history), argmax or sample. -> (tokens [R], processed probs [R, V] or None, confidences [R] or None, state)."""
+    logits, conf, state = _head_and_confidence(draft, logits, h_k, prev, state, conf_temperature)
     logits = logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype)
     if logits_processor:
         logits = torch.cat(
@@ -123,13 +130,7 @@ def _subset_slot(draft, logits, h_k, prev, state, histories, logits_processor, d
     """Greedy slot over a draft vocabulary: logits [R, Vd] and the head's bias from W2's ``rows`` [Vd, r];
     the argmax column maps back to a token id through ``vocab``. Same tokens as ``_torch_slot`` on the -inf-padded
     full logits (``vocab`` is sorted, so ties resolve to the same token)."""
-    head, conf_head, feature, conf = draft.sequential_head, draft.confidence, None, None
-    if head is not None:
-        bias, feature, state = head.step(prev, h_k, state, rows=rows)
-        if draft.head_enabled:
-            logits = logits + bias
-    if conf_head is not None:
-        conf = conf_head.calibrated(conf_head.logit(h_k, feature), conf_temperature)
+    logits, conf, state = _head_and_confidence(draft, logits, h_k, prev, state, conf_temperature, rows)
     return vocab[logits.float().argmax(-1)], None, conf, state
 
 

@@ -224,33 +224,28 @@ def plan_verify_width(confidences: torch.Tensor, sps: SPSProfile | Callable[[int
     For R = 1 it equals ``plan_verify_lengths``. Zero out confidences a row may not verify (length limit,
     finished rows) before calling; the caller caps each row at its limit.
     """
-    confidences = _check_confidences(confidences)
-    R, gamma = confidences.shape
-    survival = confidences.cumprod(-1)
-    tau, best, width = float(R), 0, 0
-    theta_best = tau * sps(R)
-    for width in range(1, gamma + 1):
-        tau += float(survival[:, width - 1].sum())
-        theta = tau * sps(R * (1 + width))
-        if theta <= theta_best:
+    thetas = _column_thetas(confidences, sps)
+    best = 0
+    for width in range(1, len(thetas)):
+        if thetas[width] <= thetas[best]:
             break
-        theta_best, best = theta, width
+        best = width
     return best
 
 
 def plan_capacity_width(old_confidences: torch.Tensor, sps: SPSProfile | Callable[[int], float]) -> int:
     """Asynchronous variant for a padded batch: the width ℓ maximising Θ from confidences two rounds old (a global
     search, safe because this information predates the tokens being verified now)."""
-    confidences = _check_confidences(old_confidences)
-    R, gamma = confidences.shape
-    survival = confidences.cumprod(-1)
-    tau, best = float(R), 0
-    theta_best = tau * sps(R)
-    for width in range(1, gamma + 1):
-        tau += float(survival[:, width - 1].sum())
-        if tau * sps(R * (1 + width)) > theta_best:
-            best, theta_best = width, tau * sps(R * (1 + width))
-    return best
+    thetas = _column_thetas(old_confidences, sps)
+    return max(range(len(thetas)), key=lambda width: (thetas[width], -width))
+
+
+def _column_thetas(confidences: torch.Tensor, sps: SPSProfile | Callable[[int], float]) -> list[float]:
+    """Θ(ℓ) = τ(ℓ)·SPS(R·(1 + ℓ)) for ℓ = 0..γ, τ(ℓ) = R + Σ_r Σ_{j ≤ ℓ} a_{r,j} (a padded [R, 1 + ℓ] verify)."""
+    confidences = _check_confidences(confidences)
+    R = confidences.shape[0]
+    tau = [float(R), *(R + confidences.cumprod(-1).sum(0).cumsum(0)).tolist()]
+    return [t * sps(R * (1 + width)) for width, t in enumerate(tau)]
 
 
 def plan_capacity(old_confidences: torch.Tensor, sps: SPSProfile | Callable[[int], float]) -> int:
