@@ -25,7 +25,6 @@ import torch
 
 from hf_dspark import DSparkDraftModel, embedded, generation
 from hf_dspark.evaluation.readme import replace_block
-from hf_dspark.scheduler import SPSProfile
 
 EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 DOMAINS = ["gsm8k", "humaneval", "mt-bench", "mbpp", "math500"]
@@ -72,17 +71,18 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
     seen = {}
 
     def draft_block(draft, context, histories, *args, **kwargs):
-        seen["histories"] = histories
+        seen["histories"], seen["rows"] = histories, draft.stats.round_rows[-1]
         seen["proposal"] = real_draft(draft, context, histories, *args, **kwargs)
         return seen["proposal"]
 
     def choose_lengths(mode, confidences, caps, history, sps, threshold, layout="padded"):
         lengths = []
         for r, cap in enumerate(caps):
-            done, ref = seen["histories"][r].tolist(), reference[r]
+            row = seen["rows"][r]  # rows leave the batch when they finish: map back to the batch index
+            done, ref = seen["histories"][r].tolist(), reference[row]
             if done != ref[: len(done)]:
                 if diverged is not None:
-                    diverged.add(r)
+                    diverged.add(row)
                 lengths.append(cap)
                 continue
             drafted = seen["proposal"].tokens[r, :cap].tolist()
@@ -210,13 +210,16 @@ def main() -> None:
             raise SystemExit("no trained draft ships yet: pass --draft DIR")
         draft = DSparkDraftModel.from_pretrained(folder, dtype=dtype).attach(target)
         gamma = draft.config.num_draft_tokens
-        grid = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, max(args.rows) * (gamma + 1)})
-        draft.sps_profile = SPSProfile.measure(target, grid=grid)
+        # the profiles generate uses: one per batch size, on the [R, 1 + ℓ] shapes it verifies, including the
+        # power-of-two sizes a batch shrinks through as rows finish; measured before any timing starts
+        sizes = sorted({generation.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
+        draft.sps_profile = None
+        sps = {R: generation.sps_profile(draft, target, R).table for R in sizes}
         rows = [run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats) for R in args.rows]
         result = {"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype).replace("torch.", ""),
                   "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                   "gamma": gamma,
-                  "sps": draft.sps_profile.table, "rows": rows}  # fmt: skip
+                  "sps": sps, "rows": rows}  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
     args.out.with_suffix(".md").write_text(markdown(result))

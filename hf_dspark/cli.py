@@ -179,7 +179,7 @@ def cmd_push(args) -> None:
 def cmd_results(args) -> None:
     from .evaluation.readme import write_results
 
-    write_results(args.readme, args.eval, args.bench)
+    write_results(args.readme, args.eval, args.bench, plots=args.plots)
     print(f"updated the results section of {args.readme}")
 
 
@@ -282,8 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("results", help="write the README's Results section from eval/bench JSON")
-    p.add_argument("--eval", default=None, help="eval.json from `hf-dspark eval`")
-    p.add_argument("--bench", default=None, help="bench.json from `hf-dspark bench`")
+    p.add_argument("--eval", nargs="+", default=None, help="eval.json file(s) from `hf-dspark eval` (concatenated)")
+    p.add_argument(
+        "--bench",
+        nargs="+",
+        default=None,
+        help="bench.json file(s) from `hf-dspark bench` (several runs are merged; ratios stay per run)",
+    )
+    p.add_argument("--plots", default=None, help="also write acceptance/tau/speedup PNGs of the merged results here")
     p.add_argument("--readme", default="README.md")
     p.set_defaults(func=cmd_results)
     return ap

@@ -63,6 +63,12 @@ class DraftContext:
         self.values = [torch.cat([v, nv], dim=2) for v, (_, nv) in zip(self.values, new, strict=True)]
         self.valid = torch.cat([self.valid, valid], dim=1)
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` [R'] (indices), in that order."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.valid = self.valid[rows]
+
     @classmethod
     def empty(cls, draft: DSparkDraftModel, rows: int, device: torch.device) -> DraftContext:
         c = draft.config
@@ -230,6 +236,12 @@ def sps_profile(draft: DSparkDraftModel, target, rows: int) -> SPSProfile:
     return draft.measured_sps[key]
 
 
+def profile_rows(active: int, batch: int) -> int:
+    """The batch size whose SPS profile prices a batch that shrank from ``batch`` to ``active`` rows: the next
+    power of two (at most ``batch``), so a shrinking batch measures O(log R) profiles rather than one per size."""
+    return min(batch, 1 << (active - 1).bit_length())
+
+
 def choose_lengths(mode, confidences, caps, history, sps, threshold, layout: str = "padded") -> list[int]:
     """Draft tokens each row verifies. ``caps`` [R] bound them (length limit; 0 for finished rows); confidences
     beyond a cap are zeroed first, so the planners never admit them. ``history`` holds past rounds' confidences
@@ -341,6 +353,10 @@ def dspark_decode(
     if streamer is not None:
         streamer.put(first.cpu())
     conf_history: list[torch.Tensor] = []
+    # Rows leave the batch when they finish (their KV rows are dropped from both caches), so they stop costing
+    # verify and draft work. Not when the caller asked for the cache back, which then covers every row.
+    batch_rows, done = list(range(R)), {}
+    compact = hasattr(cache, "batch_select_indices") and not generation_config.return_dict_in_generate
     # When the scheduler verifies no draft token in any row, drafting was pure cost: skip it for `backoff` rounds
     # (doubling up to MAX_BACKOFF, reset by any round that verifies a draft token). Skipped rounds are plain decode
     # steps through the same verify path, so the output is unchanged.
@@ -351,6 +367,7 @@ def dspark_decode(
         limit = min(gamma, draft.config.verify_limit if draft.config.verify_limit is not None else gamma)
         caps = [0 if finished[r] or skip else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
         skip = max(skip - 1, 0)
+        stats.round_rows.append([batch_rows[r] for r in range(R) if not finished[r]])
         proposal = draft_block(draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample)
         lengths = choose_lengths(
             mode, proposal.confidences, caps, conf_history, sps, draft.config.confidence_threshold,
@@ -416,10 +433,25 @@ def dspark_decode(
         features = target_features(draft, out.hidden_states)[:, :used]
         context.extend(draft, features, block_positions[:, :used], kept[:, :used])
 
+        if compact and any(finished):
+            keep = [r for r in range(R) if not finished[r]]
+            done.update({batch_rows[r]: histories[r] for r in range(R) if finished[r]})
+            idx = torch.tensor(keep, device=device)
+            cache.batch_select_indices(idx)
+            context.select(idx)
+            cache_mask, anchor_pos = cache_mask[idx], anchor_pos[idx]
+            conf_history = [c[idx.cpu()] for c in conf_history]
+            histories, batch_rows = [histories[r] for r in keep], [batch_rows[r] for r in keep]
+            R, finished = len(keep), [False] * len(keep)
+            if sps is not None:
+                sps = sps_profile(draft, target, profile_rows(R, input_ids.shape[0]))
+
     if streamer is not None:
         streamer.end()
+    done.update(zip(batch_rows, histories, strict=True))
+    histories = [done[r] for r in range(input_ids.shape[0])]
     width = max(len(h) for h in histories)
-    sequences = torch.full((R, width), pad_id, dtype=torch.long, device=device)
+    sequences = torch.full((len(histories), width), pad_id, dtype=torch.long, device=device)
     for r, h in enumerate(histories):
         sequences[r, : len(h)] = h
     if generation_config.return_dict_in_generate:

@@ -12,7 +12,8 @@ class DSparkStats:
     ``proposed[i]``: draft tokens verified in round i (ℓ); ``accepted[i]``: how many survived (n ≤ ℓ);
     ``committed[i]``: tokens committed that round (n + 1 unless generation stopped inside the block).
     In a batch, every active row's verification in a round is one entry; ``verify_rounds`` keeps the verify
-    lengths the scheduler chose per round (one list per round, one entry per active row).
+    lengths the scheduler chose per round (one list per round, one entry per active row) and ``round_rows`` the
+    batch indices of those rows (rows leave the batch when they finish).
     """
 
     block_size: int
@@ -21,6 +22,7 @@ class DSparkStats:
     committed: list[int] = field(default_factory=list)
     confidences: list[list[float]] = field(default_factory=list)
     verify_rounds: list[list[int]] = field(default_factory=list)  # per round: ℓ chosen for each active row
+    round_rows: list[list[int]] = field(default_factory=list)  # per round: the batch index of each active row
 
     def record(self, proposed: int, accepted: int, committed: int, confidences: list[float] | None = None) -> None:
         self.proposed.append(proposed)
@@ -59,4 +61,5 @@ class DSparkStats:
             "accepted": self.accepted,
             "committed": self.committed,
             "verify_rounds": self.verify_rounds,
+            "round_rows": self.round_rows,
         }

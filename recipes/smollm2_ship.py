@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DRAFT_DIR)
     ap.add_argument("--blocks", type=int, default=2000)
     ap.add_argument("--draft-vocab", type=int, default=8192, help="most frequent answer tokens kept (0: all)")
+    ap.add_argument("--threads", type=int, default=1, help="threads the run trained with (for training.json)")
+    ap.add_argument("--name", default="hf-dspark/smollm2-135m-instruct-dspark", help="repository name in the card")
     args = ap.parse_args()
     run = STATE / args.run
     target, tokenizer = load_target()
@@ -88,7 +90,7 @@ def main() -> None:
         f" {sum(len(r['response_ids']) for r in train_rows)} answer tokens; {len(held_out)} held out for STS",
         "steps": f"{step} (1 sequence x 48 anchor blocks per step, AdamW lr 3e-3 cosine, loss 1.0 CE + 0.1 TV +"
         " 1.0 confidence BCE)",
-        "hardware": f"CPU, 1 thread, {cfg.get('s_per_step', '?')} s/step",
+        "hardware": f"CPU, {args.threads} thread(s), {cfg.get('s_per_step', '?')} s/step",
         "stored as": "bfloat16 safetensors (attached to a float32 target it runs in float32)",
         "draft vocabulary": f"{calibrated.config.draft_vocab_size} tokens (the training answers' tokens + special)"
         if args.draft_vocab
@@ -98,7 +100,7 @@ def main() -> None:
     if args.out.exists():
         shutil.rmtree(args.out)
     tmp.rename(args.out)
-    write_card(args.out, name="hf-dspark/smollm2-135m-instruct-dspark", target="HuggingFaceTB/SmolLM2-135M-Instruct")
+    write_card(args.out, name=args.name, target="HuggingFaceTB/SmolLM2-135M-Instruct")
     size = sum(f.stat().st_size for f in args.out.iterdir()) / 2**20
     print(f"shipped {args.out} ({size:.1f} MiB)")
 

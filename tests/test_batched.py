@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import tiny_target
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.scheduler import SPSProfile
@@ -35,11 +36,11 @@ def scripted_draft(draft, refs, right):
     def forward(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
         out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
         logits = torch.full_like(out.logits, -1e4)
-        for r in range(block_positions.shape[0]):
-            for k, pos in enumerate(block_positions[r].tolist()):
-                i = pos + 1 - len(PROMPTS[r])  # index into the row's new tokens
-                good = int(refs[r][i]) if 0 <= i < len(refs[r]) else 3
-                logits[r, k, good if right(r, k) else (good + 1) % 96] = 1e4
+        for i, r in enumerate(draft.stats.round_rows[-1]):  # finished rows have left the batch
+            for k, pos in enumerate(block_positions[i].tolist()):
+                j = pos + 1 - len(PROMPTS[r])  # index into the row's new tokens
+                good = int(refs[r][j]) if 0 <= j < len(refs[r]) else 3
+                logits[i, k, good if right(r, k) else (good + 1) % 96] = 1e4
         out.logits = logits
         return out
 
@@ -77,6 +78,71 @@ def test_batched_greedy_equals_per_row_plain_greedy(mode, arch):
     # finished rows stop consuming verify budget: rounds after row 0's end verify fewer rows
     sizes = [len(v) for v in draft.stats.verify_rounds]
     assert sizes[0] == 4 and min(sizes) < 4 and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "scheduled"])
+def test_finished_rows_leave_the_batch(mode, monkeypatch):
+    """A row that finishes is dropped from the target's and the draft's caches: later rounds draft and verify only
+    the rows still running, every row still equals its own plain greedy output, and (scheduled, no user profile)
+    the SPS profile follows the shrinking batch in power-of-two sizes."""
+    from hf_dspark import scheduler
+
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.verify_mode = mode
+    measured, draft_rows, verify_rows = [], [], []
+    fake = classmethod(lambda cls, t, grid, rows: measured.append(rows) or cls.from_callable(lambda B: 1 / B**0.1))
+    monkeypatch.setattr(scheduler.SPSProfile, "measure", fake)
+    real_draft, real_target = draft.forward, target.forward
+    monkeypatch.setattr(draft, "forward", lambda e, p, *a, **k: draft_rows.append(len(p)) or real_draft(e, p, *a, **k))
+    monkeypatch.setattr(target, "forward", lambda **k: verify_rows.append(len(k["input_ids"])) or real_target(**k))
+
+    ids, mask = left_pad(PROMPTS)
+    width = ids.shape[1]
+    budgets = {tuple(row): n for row, n in zip(ids.tolist(), [3, 20, 9, 14], strict=True)}  # new tokens per row
+
+    class RowBudget(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):  # the loop asks one row at a time
+            return torch.tensor([input_ids.shape[1] - width >= budgets[tuple(input_ids[0, :width].tolist())]])
+
+    refs = [target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :] for p in PROMPTS]
+    verify_rows.clear()
+    out = target.generate(
+        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD,
+        stopping_criteria=StoppingCriteriaList([RowBudget()]), assistant_model=draft,
+    )  # fmt: skip
+    for r, n in enumerate(budgets.values()):
+        assert out[r, width : width + n].tolist() == refs[r][:n].tolist(), f"row {r}"
+        assert out[r, width + n :].eq(PAD).all()
+    rounds = draft.stats.round_rows
+    assert [sorted(set(map(tuple, rounds)), key=len, reverse=True)] == [[(0, 1, 2, 3), (1, 2, 3), (1, 3), (1,)]]
+    assert verify_rows[1:] == [len(rows) for rows in rounds]  # after the prefill: one verify per round
+    assert draft_rows == sorted(draft_rows, reverse=True) and draft_rows[0] == 4
+    if mode == "scheduled":
+        assert measured == [4, 2, 1]  # 3 rows are priced by the 4-row profile
+    else:
+        assert measured == [] and draft_rows[-1] == 1
+
+
+def test_return_dict_keeps_every_row_in_the_returned_cache():
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.verify_mode = "fixed"
+    probe = target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=12, do_sample=False)[0, len(PROMPTS[0]) :]
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=int(probe[2]), pad_token_id=PAD)
+    plain = target.generate(ids, **kw)
+    out = target.generate(ids, return_dict_in_generate=True, assistant_model=draft, **kw)
+    assert out.sequences.tolist() == plain.tolist()
+    assert out.cache.layers[0].keys.shape[0] == 4
+    assert len(draft.stats.round_rows[-1]) < 4  # rows did finish early, and stayed in the batch
+
+
+def test_profile_rows_rounds_up_to_a_power_of_two_within_the_batch():
+    from hf_dspark.generation import profile_rows
+
+    assert [profile_rows(n, 16) for n in (16, 15, 9, 8, 5, 3, 2, 1)] == [16, 16, 16, 8, 8, 4, 2, 1]
+    assert [profile_rows(n, 12) for n in (11, 9, 7)] == [12, 12, 8]
 
 
 def test_batched_rows_accept_different_amounts():

@@ -163,3 +163,37 @@ def test_readme_results_section_is_written_from_json(tmp_path):
     assert "| dspark | gsm8k | 0.0 | 30 | 2.50 | 0.40 | 20.0 | 0.60 0.50 |" in text
     assert "| gsm8k | markov-scheduled | 25.0 | 1.60× | 2.50 | 30/30 |" in text
     assert "; τ: 30 prompts per dataset; wall-clock: 30 prompts per dataset." in text
+
+
+def test_results_merge_bench_runs_keeping_each_runs_baseline(tmp_path):
+    """Two bench runs (e.g. a draft benchmarked later) in one table: every ratio stays against its own run's plain,
+    the second run's baselines are shown and marked, eval runs concatenate, plots are written; runs over different
+    prompt counts refuse to merge."""
+    from hf_dspark.cli import main
+    from hf_dspark.evaluation.readme import merge_bench
+
+    ctx = {"machine": "m", "threads": 2, "device": "cpu", "dtype": "bfloat16", "date": "2026-11-29"}
+    method = lambda name, tps, speedup: {"method": name, "median_tok_per_s": tps, "tok_per_s": tps,  # noqa: E731
+                                         "speedup": speedup, "tau": None}  # fmt: skip
+    run1 = [{"dataset": "gsm8k", "prompts": 30, **ctx, "methods": [method("plain", 20.0, 1.0), method("a", 22.0, 1.1)]}]
+    run2 = [{"dataset": "gsm8k", "prompts": 30, **ctx, "methods": [method("plain", 18.0, 1.0), method("b", 27.0, 1.5)]}]
+    curve = {"verify_rate": 0.4, "tokens_per_s": 20.0, "position_acceptance": [0.5, 0.4]}
+    ev = lambda draft: [{"draft": draft, "dataset": "gsm8k", "temperature": 0.0, "prompts": 30, "tau": 1.5,  # noqa: E731
+                         **curve, **ctx}]  # fmt: skip
+    for name, data in {"b1.json": run1, "b2.json": run2, "e1.json": ev("markov"), "e2.json": ev("rnn")}.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n")
+    main(["results", "--readme", str(readme), "--plots", str(tmp_path / "plots"),
+          "--eval", str(tmp_path / "e1.json"), str(tmp_path / "e2.json"),
+          "--bench", str(tmp_path / "b1.json"), str(tmp_path / "b2.json")])  # fmt: skip
+    text = readme.read_text()
+    assert "| dataset | method | tok/s (median) | speedup vs plain | τ | = plain | run |" in text
+    assert "| gsm8k | a | 22.0 | 1.10× | - | 30/30 | 1 |" in text
+    assert "| gsm8k | plain (run 2) | 18.0 | 1.00× | - | 30/30 | 2 |" in text
+    assert "| gsm8k | b | 27.0 | 1.50× | - | 30/30 | 2 |" in text
+    assert "| markov | gsm8k |" in text and "| rnn | gsm8k |" in text
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["acceptance.png", "speedup.png", "tau.png"]
+    short = [{**run2[0], "prompts": 10}]
+    with pytest.raises(ValueError, match="bench run 2 has no 'gsm8k' results with 30 prompts"):
+        merge_bench([run1, short])

@@ -121,10 +121,13 @@ def parts_at_a_tie(target, out: torch.Tensor, reference: torch.Tensor) -> bool:
 
 
 def markdown_table(results: list[dict]) -> str:
-    """One row per (dataset, method); "= plain" counts prompts whose greedy output equals plain ``generate``'s."""
+    """One row per (dataset, method); "= plain" counts prompts whose greedy output equals plain ``generate``'s.
+    Results merged from several runs (``readme.merge_bench``) get a "run" column: a speedup is always against
+    the plain ``generate`` of its own run."""
+    runs = any(m.get("run", 1) > 1 for r in results for m in r["methods"])
     lines = [
-        "| dataset | method | tok/s (median) | speedup vs plain | τ | = plain |",
-        "|---|---|---|---|---|---|",
+        "| dataset | method | tok/s (median) | speedup vs plain | τ | = plain |" + (" run |" if runs else ""),
+        "|---|---|---|---|---|---|" + ("---|" if runs else ""),
     ]
     for r in results:
         for m in r["methods"]:
@@ -132,7 +135,7 @@ def markdown_table(results: list[dict]) -> str:
             same = f"{m.get('same_as_plain', r['prompts'])}/{r['prompts']}"
             lines.append(
                 f"| {r['dataset']} | {m['method']} | {m['median_tok_per_s']:.1f} | {m['speedup']:.2f}× | {tau} "
-                f"| {same} |"
+                f"| {same} |" + (f" {m.get('run', 1)} |" if runs else "")
             )
     return "\n".join(lines) + "\n"
 

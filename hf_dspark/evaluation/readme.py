@@ -58,7 +58,48 @@ def replace_block(readme: str | Path, name: str, body: str, heading: str = "## R
     tmp.replace(path)
 
 
-def write_results(readme: str | Path, eval_json: str | Path | None, bench_json: str | Path | None) -> None:
-    """Replace the text between the results markers of ``readme`` (added at the end if absent)."""
-    load = lambda p: json.loads(Path(p).read_text()) if p else []  # noqa: E731
-    replace_block(readme, "results", results_section(load(eval_json), load(bench_json)))
+def merge_bench(runs: list[list[dict]]) -> list[dict]:
+    """Several ``hf-dspark bench`` runs as one result list: per dataset (in the first run's order), the methods of
+    each run in turn, each tagged with its run number (1-based). Speedups stay relative to each run's own plain
+    ``generate``; a later run's plain and prompt-lookup rows are kept (as "plain (run 2)" …) so the baseline
+    each ratio refers to is on the page. Runs must cover the same datasets with the same number of prompts."""
+    if not runs:
+        return []
+    merged = []
+    for entry in runs[0]:
+        entry = {**entry, "methods": [{**m, "run": 1} for m in entry["methods"]]}
+        for k, run in enumerate(runs[1:], start=2):
+            other = next((e for e in run if e["dataset"] == entry["dataset"]), None)
+            if other is None or other["prompts"] != entry["prompts"]:
+                raise ValueError(
+                    f"bench run {k} has no {entry['dataset']!r} results with {entry['prompts']} prompts to merge"
+                )
+            names = {m["method"] for m in entry["methods"]}
+            entry["methods"] += [
+                {**m, "method": m["method"] + (f" (run {k})" if m["method"] in names else ""), "run": k}
+                for m in other["methods"]
+            ]
+        merged.append(entry)
+    return merged
+
+
+def write_results(
+    readme: str | Path,
+    eval_json: str | Path | list[str | Path] | None,
+    bench_json: str | Path | list[str | Path] | None,
+    plots: str | Path | None = None,
+) -> None:
+    """Replace the text between the results markers of ``readme`` (added at the end if absent). Each argument may
+    name several JSON files (runs): eval entries are concatenated, bench runs merged with ``merge_bench``.
+    With ``plots``, the acceptance, τ and speedup PNGs of the merged results are (re)written into that folder."""
+    as_list = lambda p: [] if p is None else [p] if isinstance(p, str | Path) else list(p)  # noqa: E731
+    eval_results = [r for path in as_list(eval_json) for r in json.loads(Path(path).read_text())]
+    bench_results = merge_bench([json.loads(Path(path).read_text()) for path in as_list(bench_json)])
+    replace_block(readme, "results", results_section(eval_results, bench_results))
+    if plots is not None:
+        Path(plots).mkdir(parents=True, exist_ok=True)
+        if eval_results:
+            evaluate.plot_acceptance(eval_results, Path(plots) / "acceptance.png")
+            evaluate.plot_tau(eval_results, Path(plots) / "tau.png")
+        if bench_results:
+            bench.plot_speedups(bench_results, Path(plots) / "speedup.png")
