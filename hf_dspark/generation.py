@@ -15,6 +15,7 @@ at the end of a round are cropped, so a single row never carries holes.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,10 @@ from .stats import DSparkStats
 from .verify import greedy_accept, rejection_sample
 
 MAX_BACKOFF = 16  # most plain rounds in a row before the draft is asked again (scheduled/async modes)
+# Stop the sequential head as soon as the plan cannot grow (scheduled and threshold modes). The planners stop at
+# the first column that does not pay and never look further, so the verify lengths are the same either way;
+# False drafts every slot (tests compare the two).
+STOP_DRAFTING_EARLY = True
 
 
 def _probs(scores: torch.Tensor) -> torch.Tensor:
@@ -158,12 +163,15 @@ def draft_block(
     max_tokens: int,
     logits_processor: LogitsProcessorList,
     do_sample: bool,
+    enough: Callable[[torch.Tensor], bool] | None = None,
 ) -> Proposal:
     """Propose ``max_tokens`` (≤ the draft's tokens per block) tokens after each row's anchor ``histories[r][-1]``
     (at ``anchor_positions``).
 
     One backbone forward gives U, h for all rows and slots; the sequential head then adds its bias left to right,
     each position's logits are processed exactly like the target's, and a token is chosen (argmax or sample).
+    ``enough(confidences [R, k])``, called after each slot, ends the block early (fewer than ``max_tokens``
+    tokens) when it says no later slot will be verified.
     """
     gamma = draft.config.block_size
     device = anchor_positions.device
@@ -205,6 +213,8 @@ def draft_block(
         if conf is not None:
             confs.append(conf)
         prev = token
+        if enough is not None and enough(torch.stack(confs, dim=1).double()):
+            break
     return Proposal(
         tokens=torch.stack(tokens, dim=1),
         probs=torch.stack(probs, dim=1) if do_sample else None,
@@ -261,6 +271,14 @@ def choose_lengths(mode, confidences, caps, history, sps, threshold, layout: str
         width = plan_verify_width(conf, sps) if old is None else plan_capacity_width(old, sps)
         return [min(width, cap) for cap in caps]
     return plan_verify_lengths(conf, sps) if old is None else fill_top_k(conf, plan_capacity(old, sps))
+
+
+def _plan_is_prefix_closed(mode: str, layout: str, rows: int) -> bool:
+    """Whether the verify lengths planned from the first k confidence columns are final once they verify fewer
+    than k columns: true for ``threshold`` and for ``scheduled`` on the padded layout (or one row), which admit
+    columns left to right and stop at the first that fails. Not for packed multi-row Algorithm 1 (a later
+    column's token could tie into the sorted order) nor ``async`` (it sizes from full past blocks)."""
+    return mode == "threshold" or (mode == "scheduled" and (layout == "padded" or rows == 1))
 
 
 def verify_row(draft_tokens, draft_probs, raw_logits, history, logits_processor, do_sample):
@@ -368,11 +386,17 @@ def dspark_decode(
         caps = [0 if finished[r] or skip else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
         skip = max(skip - 1, 0)
         stats.round_rows.append([batch_rows[r] for r in range(R) if not finished[r]])
-        proposal = draft_block(draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample)
-        lengths = choose_lengths(
-            mode, proposal.confidences, caps, conf_history, sps, draft.config.confidence_threshold,
-            draft.config.verify_layout,
+        plan = functools.partial(
+            choose_lengths, mode, caps=caps, history=conf_history, sps=sps,
+            threshold=draft.config.confidence_threshold, layout=draft.config.verify_layout,
         )  # fmt: skip
+        enough = None
+        if STOP_DRAFTING_EARLY and _plan_is_prefix_closed(mode, draft.config.verify_layout, R):
+            enough = lambda conf, plan=plan: max(plan(conf)) < conf.shape[1]  # noqa: E731  (k: never verified)
+        proposal = draft_block(
+            draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample, enough=enough
+        )
+        lengths = plan(proposal.confidences)
         if proposal.confidences is not None and proposal.confidences.shape[1]:
             conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
             if mode in ("scheduled", "async"):

@@ -376,3 +376,44 @@ def test_greedy_drafting_inside_the_draft_vocabulary_equals_the_full_path(head, 
     assert set(subset.tokens.flatten().tolist()) <= set(range(3, 96, 3))
     if draft.confidence is not None:
         torch.testing.assert_close(subset.confidences, full.confidences, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("mode", "rows"), [("scheduled", 1), ("scheduled", 3), ("threshold", 3)])
+def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
+    """The planners admit columns left to right and stop at the first that fails, so the draft stops there too:
+    same verify lengths and output as drafting every slot, fewer head steps."""
+    from hf_dspark import generation
+    from hf_dspark.scheduler import SPSProfile
+
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8).double()
+    draft.config.verify_mode, draft.config.confidence_threshold = mode, 0.5
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.05 * B))
+    with torch.no_grad():  # confidences spread over (0, 1), so plans end at different slots
+        draft.confidence.confidence_head.weight.normal_(0, 0.3)
+    widths = []
+    real = generation.draft_block
+
+    def spy(*args, **kwargs):
+        proposal = real(*args, **kwargs)
+        widths.append((args[4], proposal.tokens.shape[1]))
+        return proposal
+
+    monkeypatch.setattr(generation, "draft_block", spy)
+    prompts = [[5, 6, 7, 8], [9, 3, 4, 40], [70, 2, 11, 12]][:rows]
+    ids = torch.tensor(prompts)
+    kw = dict(max_new_tokens=24, do_sample=False)
+    runs = {}
+    for early in (True, False):
+        monkeypatch.setattr(generation, "STOP_DRAFTING_EARLY", early)
+        widths.clear()
+        out = target.generate(ids, assistant_model=draft, **kw)
+        runs[early] = (out.tolist(), draft.stats.verify_rounds, list(widths))
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[True][0] == target.generate(ids, **kw).tolist()
+    assert all(w == m for m, w in runs[False][2])
+    lazy = runs[True][2]
+    assert any(w < m for m, w in lazy) and all(w <= m for m, w in lazy)
+    # where it stopped early, it drafted exactly one slot past the longest verified prefix: the column that failed
+    for (m, w), verified in zip(lazy, runs[True][1], strict=True):
+        assert w == m or w == max(verified) + 1
