@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=7860)
     args = ap.parse_args(argv)
-    demo = build_demo(*load_pair(args.target, args.draft, args.dtype))
+    target, tokenizer, draft = load_pair(args.target, args.draft, args.dtype)
+    if draft.confidence is not None:  # scheduled mode: time the verify costs now, not inside the first request
+        draft.measure_sps(1)
+    demo = build_demo(target, tokenizer, draft)
     demo.queue().launch(server_name=args.host, server_port=args.port)
 
 

@@ -221,6 +221,18 @@ class DSparkDraftModel(PreTrainedModel):
         self._vocab_rows = None
         return self
 
+    def measure_sps(self, *batch_sizes: int) -> DSparkDraftModel:
+        """Measure now (or load from the disk cache) the SPS profiles that scheduled ``generate`` uses for batches
+        of these sizes (default: 1) on the attached target, so the first call does not pay for them. Returns
+        ``self``. A profile the user set (``draft.sps_profile``) makes this a no-op."""
+        from .generation import sps_profile  # the decoding loop imports this module
+
+        for rows in batch_sizes or (1,):
+            if not isinstance(rows, int) or rows < 1:
+                raise ValueError(f"batch sizes must be positive integers, got {rows!r}")
+            sps_profile(self, self.target, rows)
+        return self
+
     def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None) -> DSparkDraftModel:
         """Restrict proposals to ``token_ids`` (1-D, distinct target token ids; ``None``: the whole vocabulary).
 

@@ -249,3 +249,22 @@ def test_exhaustive_lengths_are_prefixes():
         lengths = plan_verify_lengths(torch.tensor([c]), SPSProfile.from_callable(lambda B: 1 / B**0.2))
         n = lengths[0]
         assert all(x > 0 for x in c[:n])  # only candidates with positive survival are admitted
+
+
+def test_measure_sps_ahead_of_generate(monkeypatch):
+    """draft.measure_sps(R) leaves generate nothing to measure for a batch of R; bad sizes are refused."""
+    from hf_dspark import DSparkDraftModel, scheduler
+
+    target = tiny_target("llama")
+    calls = []
+    fake = classmethod(lambda cls, t, grid, rows: calls.append(rows) or cls.from_callable(lambda B: 1.0 / B))
+    monkeypatch.setattr(scheduler.SPSProfile, "measure", fake)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    assert draft.measure_sps(1, 2) is draft and calls == [1, 2]
+    draft.config.verify_mode = "scheduled"
+    target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), assistant_model=draft, max_new_tokens=6, do_sample=False)
+    assert calls == [1, 2]
+    with pytest.raises(ValueError, match="batch sizes must be positive integers, got 0"):
+        draft.measure_sps(0)
+    with pytest.raises(RuntimeError, match="not attached"):
+        DSparkDraftModel(draft.config).measure_sps(1)
