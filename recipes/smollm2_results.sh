@@ -2,7 +2,7 @@
 # Measure the shipped SmolLM2 draft against its `none`-head ablation and the baselines, then write the results
 # everywhere they are shown: benchmarks/results/smollm2/, the draft folder (for its model card) and the README.
 #
-#   LIMIT=30 DTYPE=bfloat16 bash recipes/smollm2_results.sh [path/to/none-ablation]
+#   LIMIT=30 DTYPE=bfloat16 bash recipes/smollm2_results.sh [path/to/none-ablation [path/to/rnn-draft]]
 #
 # Run it on an otherwise idle machine: the SPS profile the scheduler uses is re-measured first (it is cached per
 # target/device/dtype, and one measured under load would mislead the scheduler), and the timings are wall-clock.
@@ -15,14 +15,17 @@ LIMIT=${LIMIT:-30}
 DTYPE=${DTYPE:-bfloat16}
 DRAFT=hf_dspark/checkpoints/smollm2-135m-instruct-dspark
 NONE=${1:-$HOME/.cache/hf_dspark/smollm2/none-draft}  # recipes/smollm2_ship.py --run run3k-none --head none --out it
+RNN=${2:-$HOME/.cache/hf_dspark/smollm2/rnn-draft}  # smollm2_train.py --head rnn --run run3k-rnn, then ship it
+DRAFTS=("markov=$DRAFT" "none=$NONE")
+[ -f "$RNN/config.json" ] && DRAFTS+=("rnn=$RNN")
 OUT=benchmarks/results/smollm2
 SETS=(humaneval gsm8k mt-bench)
 
 rm -rf "$HOME/.cache/hf_dspark/sps"
-PYTHONPATH=. $PY benchmarks/scheduler_throughput.py --dtype "$DTYPE" --rows 1 4 8 16 --max-new-tokens 64
-$PY -m hf_dspark.cli eval --dtype "$DTYPE" --draft "markov=$DRAFT" "none=$NONE" --datasets "${SETS[@]}" \
+PYTHONPATH=. $PY benchmarks/scheduler_throughput.py --dtype "$DTYPE" --rows 1 4 8 16 --max-new-tokens 64 --readme README.md
+$PY -m hf_dspark.cli eval --dtype "$DTYPE" --draft "${DRAFTS[@]}" --datasets "${SETS[@]}" \
     --limit "$LIMIT" --temperatures 0 --verify-mode fixed --out "$OUT"
-$PY -m hf_dspark.cli bench --dtype "$DTYPE" --draft "markov=$DRAFT" "none=$NONE" --datasets "${SETS[@]}" \
+$PY -m hf_dspark.cli bench --dtype "$DTYPE" --draft "${DRAFTS[@]}" --datasets "${SETS[@]}" \
     --limit "$LIMIT" --gammas 8 --out "$OUT"
 $PY -m hf_dspark.cli results --eval "$OUT/eval.json" --bench "$OUT/bench.json"
 cp "$OUT/eval.json" "$OUT/bench.json" "$DRAFT/"
