@@ -15,6 +15,7 @@ at the end of a round are cropped, so a single row never carries holes.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -240,10 +241,12 @@ def sps_profile(draft: DSparkDraftModel, target, rows: int) -> SPSProfile:
     if getattr(draft, "sps_profile", None) is not None:
         return draft.sps_profile
     key = (id(target), target.dtype, str(target.device), rows)
-    if key not in draft.measured_sps:
+    owner, profile = draft.measured_sps.get(key, (None, None))
+    if owner is None or owner() is not target:  # a weak reference: a new target at a freed one's address re-measures
         grid = [rows * width for width in range(1, draft.config.num_draft_tokens + 2)]
-        draft.measured_sps[key] = SPSProfile.measure(target, grid=grid, rows=rows)
-    return draft.measured_sps[key]
+        profile = SPSProfile.measure(target, grid=grid, rows=rows)
+        draft.measured_sps[key] = (weakref.ref(target), profile)
+    return profile
 
 
 def profile_rows(active: int, batch: int) -> int:

@@ -163,7 +163,7 @@ class DSparkDraftModel(PreTrainedModel):
         self._target: _TargetRef | None = None
         self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
         self.sps_profile = None  # hf_dspark.scheduler.SPSProfile set by the user; overrides the measured ones
-        self.measured_sps: dict = {}  # (target id, dtype, device, rows) -> profile measured on first scheduled use
+        self.measured_sps: dict = {}  # (target id, dtype, device, rows) -> (weakref to target, measured profile)
         self.head_enabled = True  # False: propose from the parallel backbone alone (demo toggle, ablations)
         self.post_init()
 

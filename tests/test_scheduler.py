@@ -3,6 +3,7 @@
 import itertools
 import json
 import random
+import weakref
 
 import pytest
 import torch
@@ -264,6 +265,11 @@ def test_measure_sps_ahead_of_generate(monkeypatch):
     draft.config.verify_mode = "scheduled"
     target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), assistant_model=draft, max_new_tokens=6, do_sample=False)
     assert calls == [1, 2]
+    # an entry left by another target that lived at the same address is not reused
+    key = next(k for k in draft.measured_sps if k[-1] == 1)
+    other = tiny_target("llama")
+    draft.measured_sps[key] = (weakref.ref(other), draft.measured_sps[key][1])
+    assert draft.measure_sps(1) is draft and calls == [1, 2, 1]
     with pytest.raises(ValueError, match="batch sizes must be positive integers, got 0"):
         draft.measure_sps(0)
     with pytest.raises(RuntimeError, match="not attached"):
