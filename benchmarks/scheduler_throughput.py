@@ -213,7 +213,6 @@ def main() -> None:
         # the profiles generate uses: one per batch size, on the [R, 1 + ℓ] shapes it verifies, including the
         # power-of-two sizes a batch shrinks through as rows finish; measured before any timing starts
         sizes = sorted({generation.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
-        draft.sps_profile = None
         sps = {R: generation.sps_profile(draft, target, R).table for R in sizes}
         rows = [run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats) for R in args.rows]
         result = {"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype).replace("torch.", ""),

@@ -393,13 +393,18 @@ def dspark_decode(
             choose_lengths, mode, caps=caps, history=conf_history, sps=sps,
             threshold=draft.config.confidence_threshold, layout=draft.config.verify_layout,
         )  # fmt: skip
-        enough = None
-        if STOP_DRAFTING_EARLY and _plan_is_prefix_closed(mode, draft.config.verify_layout, R):
-            enough = lambda conf, plan=plan: max(plan(conf)) < conf.shape[1]  # noqa: E731  (k: never verified)
+        planned = {}  # the plan for the confidences drafted so far; after the last slot it is the round's plan
+
+        def enough(conf, plan=plan, planned=planned):  # column k = conf.shape[1] will never be verified
+            planned["lengths"] = plan(conf)
+            return max(planned["lengths"]) < conf.shape[1]
+
+        early = STOP_DRAFTING_EARLY and _plan_is_prefix_closed(mode, draft.config.verify_layout, R)
         proposal = draft_block(
-            draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample, enough=enough
-        )
-        lengths = plan(proposal.confidences)
+            draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample,
+            enough=enough if early else None,
+        )  # fmt: skip
+        lengths = planned["lengths"] if "lengths" in planned else plan(proposal.confidences)
         if proposal.confidences is not None and proposal.confidences.shape[1]:
             conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
             if mode in ("scheduled", "async"):
