@@ -17,12 +17,19 @@ import json
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 CACHE_DIR = Path(os.environ.get("HF_DSPARK_CACHE", "~/.cache/hf_dspark")).expanduser() / "sps"
+# A cached profile records how long a one-token step on a short cache took when it was measured (the probe). If the
+# same probe now takes more than STALE_RATIO times longer or shorter, the machine is not in the state the profile
+# describes (it was measured under another job's load, or the hardware changed): the profile is measured again.
+PROBE_CONTEXT = 32
+STALE_RATIO = 1.3
+_probes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(device, dtype): probe seconds}
 
 
 class SPSProfile:
@@ -113,20 +120,25 @@ class SPSProfile:
     ) -> SPSProfile:
         """Time the target verifying B tokens after a ``context``-token cache, for B in ``grid`` (median of
         ``reps``), on its own device and dtype. Cached as JSON per (target, device, dtype, versions, grid);
-        a corrupt or mismatched cache file is rebuilt. The measured table is made non-increasing (running min),
+        a corrupt or mismatched cache file is rebuilt, and so is a stale one: each file keeps the probe
+        (:func:`probe_seconds`) timed with it, and a file whose probe differs from today's by more than
+        ``STALE_RATIO`` either way is measured again. The measured table is made non-increasing (running min),
         since timing noise must not make the scheduler believe a longer step is faster. ``rows`` > 1 times the
         [rows, B / rows] blocks of a padded batched verify (B in ``grid`` must be multiples of ``rows``)."""
 
         grid = sorted(set(grid or [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17]))
         key, ident = cls.cache_key(target, target.device, target.dtype, grid, context, rows)
         path = Path(cache_dir) / f"{key}.json" if cache_dir is not None else None
+        probe = probe_seconds(target) if path is not None else None
         if path is not None and path.is_file():
             try:
                 saved = json.loads(path.read_text())
-                if saved["ident"] == ident:
+                ratio = float(saved["probe"]) / probe
+                if saved["ident"] == ident and 1 / STALE_RATIO <= ratio <= STALE_RATIO:
                     return cls.from_table({int(b): s for b, s in saved["table"].items()})
-            except (ValueError, KeyError, TypeError):
-                pass  # corrupt or stale: measure again and overwrite
+            except (ValueError, KeyError, TypeError, ZeroDivisionError):
+                pass  # corrupt or from an older version: measure again and overwrite
+        probe = probe_seconds(target, fresh=True) if path is not None else None  # the state the table is timed in
         table = {B: 1.0 / seconds for B, seconds in time_verify_steps(target, grid, context, reps, rows).items()}
         running = float("inf")
         for B in grid:
@@ -135,9 +147,19 @@ class SPSProfile:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"ident": ident, "table": table}))
+            tmp.write_text(json.dumps({"ident": ident, "probe": probe, "table": table}))
             tmp.replace(path)
         return cls.from_table(table)
+
+
+def probe_seconds(target, fresh: bool = False) -> float:
+    """Seconds of one one-token target step after a ``PROBE_CONTEXT``-token cache (median of 3): a cheap reading
+    of how fast the engine runs, taken once per process per (target, device, dtype) unless ``fresh``."""
+    key = (str(target.device), target.dtype)
+    seen = _probes.setdefault(target, {})
+    if fresh or key not in seen:
+        seen[key] = time_verify_steps(target, [1], context=PROBE_CONTEXT, reps=3)[1]
+    return seen[key]
 
 
 @torch.no_grad()

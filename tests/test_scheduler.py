@@ -196,23 +196,59 @@ def test_table_interpolation_and_extrapolation():
         sps(0)
 
 
-def test_measure_caches_and_rebuilds_corrupt_files(tmp_path):
+def test_measure_caches_and_rebuilds_corrupt_files(tmp_path, monkeypatch):
+    from hf_dspark import scheduler
+
     target = tiny_target("llama")
     grid = [1, 2, 4]
+    now = {"probe": 0.010}  # the engine's speed today, as the probe reads it
+    monkeypatch.setattr(scheduler, "probe_seconds", lambda t, fresh=False: now["probe"])
+    timed = []
+    real_time = scheduler.time_verify_steps
+    monkeypatch.setattr(scheduler, "time_verify_steps", lambda *a, **k: timed.append(1) or real_time(*a, **k))
     sps = SPSProfile.measure(target, grid=grid, context=16, reps=2, cache_dir=tmp_path)
     files = list(tmp_path.glob("*.json"))
-    assert len(files) == 1
+    assert len(files) == 1 and len(timed) == 1
     saved = json.loads(files[0].read_text())
     assert saved["ident"]["dtype"] == "torch.float32" and saved["ident"]["grid"] == grid
+    assert saved["probe"] == 0.010
     assert all(sps(b) > 0 for b in grid) and sps(1) >= sps(2) >= sps(4)
-    # a second call reads the cache (same numbers)
+    # a second call reads the cache (same numbers, nothing timed), also when the probe moved by less than 30%
+    now["probe"] = 0.012
     assert SPSProfile.measure(target, grid=grid, context=16, cache_dir=tmp_path).table == sps.table
+    assert len(timed) == 1
+    # stale: the machine runs 2x slower (or faster) than when the file was measured -> measured again
+    for probe in (0.020, 0.005):
+        now["probe"] = probe
+        SPSProfile.measure(target, grid=grid, context=16, reps=1, cache_dir=tmp_path)
+        assert json.loads(files[0].read_text())["probe"] == probe
+    assert len(timed) == 3
+    # a file from before probes were recorded is measured again
+    files[0].write_text(json.dumps({"ident": saved["ident"], "table": saved["table"]}))
+    SPSProfile.measure(target, grid=grid, context=16, reps=1, cache_dir=tmp_path)
+    assert len(timed) == 4 and "probe" in json.loads(files[0].read_text())
     files[0].write_text("{not json")
     rebuilt = SPSProfile.measure(target, grid=grid, context=16, reps=2, cache_dir=tmp_path)
-    assert set(rebuilt.table) == set(grid) and json.loads(files[0].read_text())["table"]
+    assert set(rebuilt.table) == set(grid) and json.loads(files[0].read_text())["table"] and len(timed) == 5
     # a different dtype is a different key
     SPSProfile.measure(target.double(), grid=grid, context=16, reps=1, cache_dir=tmp_path)
     assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_probe_is_timed_once_per_target_unless_fresh(monkeypatch):
+    from hf_dspark import scheduler
+
+    target = tiny_target("llama")
+    shapes = []
+    real_forward = target.forward
+    monkeypatch.setattr(
+        target, "forward", lambda *a, **k: shapes.append(tuple(k["input_ids"].shape)) or real_forward(*a, **k)
+    )
+    first = scheduler.probe_seconds(target)
+    assert first > 0 and shapes == [(1, scheduler.PROBE_CONTEXT)] + [(1, 1)] * 4  # short cache, warm-up + 3
+    assert scheduler.probe_seconds(target) == first and len(shapes) == 5  # remembered
+    again = scheduler.probe_seconds(target, fresh=True)
+    assert len(shapes) == 10 and scheduler.probe_seconds(target) == again
 
 
 def test_measure_on_batch_shapes(tmp_path, monkeypatch):
@@ -226,6 +262,7 @@ def test_measure_on_batch_shapes(tmp_path, monkeypatch):
     monkeypatch.setattr(
         target, "forward", lambda *a, **k: shapes.append(tuple(k["input_ids"].shape)) or real_forward(*a, **k)
     )
+    monkeypatch.setattr(scheduler, "probe_seconds", lambda t, fresh=False: 1.0)
     sps = SPSProfile.measure(target, grid=[3, 6, 9], context=8, reps=1, cache_dir=tmp_path, rows=3)
     assert sorted(sps.table) == [3, 6, 9]
     assert shapes == [(3, 8)] + [(3, 1)] * 2 + [(3, 2)] * 2 + [(3, 3)] * 2  # prefill, then warm-up + 1 rep each
