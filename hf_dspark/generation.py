@@ -15,6 +15,8 @@ at the end of a round are cropped, so a single row never carries holes.
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from .kernels import fused_head_step, fused_temperature, use_kernels
 from .modeling_dspark import DSparkDraftModel
 from .scheduler import (
     SPSProfile,
+    drafting_pays,
     fill_top_k,
     plan_capacity,
     plan_capacity_width,
@@ -249,6 +252,37 @@ def sps_profile(draft: DSparkDraftModel, target, rows: int) -> SPSProfile:
     return profile
 
 
+@torch.no_grad()
+def draft_seconds(
+    draft: DSparkDraftModel, rows: int, do_sample: bool = False, context: int = 256, reps: int = 3
+) -> float:
+    """Seconds one whole draft block (backbone + every head slot) costs for ``rows`` rows after a ``context``-slot
+    draft cache, on the draft's device and dtype (median of ``reps`` after a warm-up, random features). Measured
+    once per (rows, sampling, device, dtype) and remembered in ``draft.measured_draft_seconds``; the scheduler
+    adds it to the time of each drafted round."""
+    device = draft.device
+    key = (rows, do_sample, str(device), draft.dtype)
+    if key not in draft.measured_draft_seconds:
+        c = draft.config
+        g = torch.Generator().manual_seed(0)
+        features = torch.randn(rows, context, c.num_target_features * c.target_hidden_size, generator=g)
+        positions = torch.arange(context).expand(rows, -1).to(device)
+        ctx = DraftContext.empty(draft, rows, device)
+        ctx.extend(draft, features.to(device), positions, torch.ones(rows, context, dtype=torch.bool, device=device))
+        histories = list(torch.zeros(rows, 1, dtype=torch.long, device=device))  # the ids do not change the cost
+        anchors = torch.full((rows,), context, device=device)
+        sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+        times = []
+        for _ in range(reps + 1):
+            sync()
+            start = time.perf_counter()
+            draft_block(draft, ctx, histories, anchors, c.num_draft_tokens, LogitsProcessorList(), do_sample)
+            sync()
+            times.append(time.perf_counter() - start)
+        draft.measured_draft_seconds[key] = statistics.median(times[1:])
+    return draft.measured_draft_seconds[key]
+
+
 def profile_rows(active: int, batch: int) -> int:
     """The batch size whose SPS profile prices a batch that shrank from ``batch`` to ``active`` rows: the next
     power of two (at most ``batch``), so a shrinking batch measures O(log R) profiles rather than one per size."""
@@ -347,7 +381,10 @@ def dspark_decode(
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []
     mode = resolve_verify_mode(draft)
-    sps = sps_profile(draft, target, R) if mode in ("scheduled", "async") else None
+    # the scheduler prices a drafted round as the draft block plus the verify step (sps: the verify step alone)
+    priced = mode in ("scheduled", "async")
+    sps = sps_profile(draft, target, R) if priced else None
+    drafting = draft_seconds(draft, R, do_sample) if priced else 0.0
     stats = DSparkStats(block_size=gamma)
     draft.stats = stats
     max_length = generation_config.max_length
@@ -378,9 +415,10 @@ def dspark_decode(
     # verify and draft work. Not when the caller asked for the cache back, which then covers every row.
     batch_rows, done = list(range(R)), {}
     compact = hasattr(cache, "batch_select_indices") and not generation_config.return_dict_in_generate
-    # When the scheduler verifies no draft token in any row, drafting was pure cost: skip it for `backoff` rounds
-    # (doubling up to MAX_BACKOFF, reset by any round that verifies a draft token). Skipped rounds are plain decode
-    # steps through the same verify path, so the output is unchanged.
+    # When a drafted round was not worth its cost in expectation (drafting_pays: the tokens its plan expected per
+    # second of drafting + verifying, against a plain step), skip drafting for `backoff` rounds (doubling up to
+    # MAX_BACKOFF, reset by a drafted round that pays). Skipped rounds are plain decode steps through the same
+    # verify path, so the output is unchanged.
     backoff = skip = 0
 
     # --- rounds -------------------------------------------------------------------------------------------------
@@ -390,7 +428,7 @@ def dspark_decode(
         skip = max(skip - 1, 0)
         stats.round_rows.append([batch_rows[r] for r in range(R) if not finished[r]])
         plan = functools.partial(
-            choose_lengths, mode, caps=caps, history=conf_history, sps=sps,
+            choose_lengths, mode, caps=caps, history=conf_history, sps=sps.plus_seconds(drafting) if priced else None,
             threshold=draft.config.confidence_threshold, layout=draft.config.verify_layout,
         )  # fmt: skip
         planned = {}  # the plan for the confidences drafted so far; after the last slot it is the round's plan
@@ -407,8 +445,10 @@ def dspark_decode(
         lengths = planned["lengths"] if "lengths" in planned else plan(proposal.confidences)
         if proposal.confidences is not None and proposal.confidences.shape[1]:
             conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
-            if mode in ("scheduled", "async"):
-                backoff = min(2 * backoff or 1, MAX_BACKOFF) if not any(lengths) else 0
+            if priced:
+                active = [r for r in range(R) if not finished[r]]
+                pays = drafting_pays(proposal.confidences[active].cpu(), [lengths[r] for r in active], R, sps, drafting)
+                backoff = 0 if pays else min(2 * backoff or 1, MAX_BACKOFF)
                 skip = backoff
         stats.verify_rounds.append([lengths[r] for r in range(R) if not finished[r]])
 
@@ -475,8 +515,9 @@ def dspark_decode(
             conf_history = [c[idx.cpu()] for c in conf_history]
             histories, batch_rows = [histories[r] for r in keep], [batch_rows[r] for r in keep]
             R, finished = len(keep), [False] * len(keep)
-            if sps is not None:
+            if priced:
                 sps = sps_profile(draft, target, profile_rows(R, input_ids.shape[0]))
+                drafting = draft_seconds(draft, profile_rows(R, input_ids.shape[0]), do_sample)
 
     if streamer is not None:
         streamer.end()

@@ -164,6 +164,7 @@ class DSparkDraftModel(PreTrainedModel):
         self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
         self.sps_profile = None  # hf_dspark.scheduler.SPSProfile set by the user; overrides the measured ones
         self.measured_sps: dict = {}  # (target id, dtype, device, rows) -> (weakref to target, measured profile)
+        self.measured_draft_seconds: dict = {}  # (rows, do_sample, device, dtype) -> seconds of one draft block
         self.head_enabled = True  # False: propose from the parallel backbone alone (demo toggle, ablations)
         self.post_init()
 
@@ -223,14 +224,16 @@ class DSparkDraftModel(PreTrainedModel):
 
     def measure_sps(self, *batch_sizes: int) -> DSparkDraftModel:
         """Measure now (or load from the disk cache) the SPS profiles that scheduled ``generate`` uses for batches
-        of these sizes (default: 1) on the attached target, so the first call does not pay for them. Returns
-        ``self``. A profile the user set (``draft.sps_profile``) makes this a no-op."""
-        from .generation import sps_profile  # the decoding loop imports this module
+        of these sizes (default: 1) on the attached target, and the draft block's own cost for them (greedy), so
+        the first call does not pay for them. Returns ``self``. A profile the user set (``draft.sps_profile``)
+        replaces the measured verify profiles; the draft's cost is still measured."""
+        from .generation import draft_seconds, sps_profile  # the decoding loop imports this module
 
         for rows in batch_sizes or (1,):
             if not isinstance(rows, int) or rows < 1:
                 raise ValueError(f"batch sizes must be positive integers, got {rows!r}")
             sps_profile(self, self.target, rows)
+            draft_seconds(self, rows)
         return self
 
     def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None) -> DSparkDraftModel:

@@ -87,6 +87,13 @@ class SPSProfile:
                 return self.table[b0] + t * (self.table[b1] - self.table[b0])
         raise AssertionError("unreachable")
 
+    def plus_seconds(self, seconds: float) -> SPSProfile:
+        """The profile of a round that also spends ``seconds`` outside the target (drafting the block):
+        SPS'(B) = 1 / (1 / SPS(B) + seconds). Still non-increasing in B, so Algorithm 1 applies unchanged."""
+        if not seconds >= 0 or seconds == float("inf"):
+            raise ValueError(f"extra seconds per step must be finite and >= 0, got {seconds}")
+        return self if seconds == 0 else SPSProfile.from_callable(lambda B: 1.0 / (1.0 / self(B) + seconds))
+
     # ----- measuring on the actual engine -----------------------------------------------------------------
 
     @staticmethod
@@ -105,6 +112,7 @@ class SPSProfile:
             "grid": grid,
             "context": context,
             "rows": rows,
+            "call": "loop-v2",  # what is timed: the loop's call (positions, hidden states, masked batches)
         }
         return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20], ident
 
@@ -165,33 +173,45 @@ def probe_seconds(target, fresh: bool = False) -> float:
 @torch.no_grad()
 def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5, rows: int = 1) -> dict[int, float]:
     """Median seconds of one target forward over B new tokens after a ``context``-token cache, for B in ``grid``
-    (random token ids; the first of ``reps + 1`` runs is a warm-up). With ``rows`` > 1 the B tokens are a
-    [rows, B / rows] block on a batch of ``rows`` caches, the shape a padded batched verify has (every B must
-    then be a multiple of ``rows``). Raw times: not made monotone."""
+    (random token ids; ``reps + 1`` passes over the whole grid, so drift hits every B alike, the first a warm-up).
+    The call is the one the decoding loop makes (explicit positions, hidden states returned). With ``rows`` > 1
+    the B tokens are a [rows, B / rows] block on a batch of ``rows`` caches, the shape a padded batched verify
+    has (every B must then be a multiple of ``rows``), under a 2-D attention mask with a padding hole as a
+    left-padded batch carries (on CPU a masked step takes another attention path and costs differently).
+    Raw times: not made monotone."""
     from transformers import DynamicCache
 
+    grid = sorted(set(grid))
     if rows < 1 or any(B % rows for B in grid):
-        raise ValueError(f"every B in the grid must be a positive multiple of rows = {rows}, got {sorted(grid)}")
+        raise ValueError(f"every B in the grid must be a positive multiple of rows = {rows}, got {grid}")
     vocab = target.config.get_text_config().vocab_size
     width = max(grid) // rows
-    ids = torch.randint(0, vocab, (rows, context + width), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(target.device)
+    device = target.device
+    ids = torch.randint(0, vocab, (rows, context + width), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones(rows, context + width, dtype=torch.long, device=device)
+    if rows > 1:
+        mask[0, 0] = 0
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+
+    def forward(start: int, stop: int):
+        attention = mask[:, :stop] if rows > 1 else None
+        target(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], attention_mask=attention,
+               cache=cache, use_cache=True, output_hidden_states=True)  # fmt: skip
+
     cache = DynamicCache()
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
-    target(input_ids=ids[:, :context], cache=cache, use_cache=True)
-    out = {}
-    for B in sorted(set(grid)):
-        W = B // rows
-        times = []
-        for _ in range(reps + 1):
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    forward(0, context)
+    times: dict[int, list[float]] = {B: [] for B in grid}
+    for _ in range(reps + 1):
+        for B in grid:
+            W = B // rows
             sync()
             t0 = time.perf_counter()
-            target(input_ids=ids[:, context : context + W], cache=cache, use_cache=True)
+            forward(context, context + W)
             sync()
-            times.append(time.perf_counter() - t0)
+            times[B].append(time.perf_counter() - t0)
             cache.crop(-W)
-        out[B] = statistics.median(times[1:])
-    return out
+    return {B: statistics.median(t[1:]) for B, t in times.items()}
 
 
 def _check_confidences(confidences: torch.Tensor) -> torch.Tensor:
@@ -284,6 +304,33 @@ def plan_capacity(old_confidences: torch.Tensor, sps: SPSProfile | Callable[[int
         if tau * sps(B) > theta_best:
             best_k, theta_best = k, tau * sps(B)
     return best_k
+
+
+def drafting_pays(
+    confidences: torch.Tensor,
+    lengths: list[int],
+    rows: int,
+    sps: SPSProfile | Callable[[int], float],
+    draft_seconds: float,
+) -> bool:
+    """Whether a drafted round beats a plain decoding step, in expectation: confidences [A, γ] and the planned
+    ``lengths`` [A] of the A rows still generating, in a padded verify of ``rows`` batch rows. A drafted round
+    commits Σ_r (1 + Σ_{j ≤ ℓ_r} a_{r,j}) tokens (a = prefix survival) in ``draft_seconds`` + 1 / SPS(rows·(1 + max ℓ))
+    seconds; a plain step commits A tokens in 1 / SPS(rows) seconds. The decoding loop asks after each drafted
+    round and stops drafting for a while (exponential backoff) when the answer is no: under heavy load, or with a
+    draft whose block costs more than its accepted tokens save, speculation is switched off rather than paid for.
+    The decision uses only confidences of a round already verified, so it never sees the tokens it is about to
+    verify (lossless)."""
+    confidences = _check_confidences(confidences)
+    if confidences.shape[0] != len(lengths):
+        raise ValueError(f"{confidences.shape[0]} rows of confidences but {len(lengths)} lengths")
+    if not 0 < confidences.shape[0] <= rows:
+        raise ValueError(f"rows = {rows} must cover the {confidences.shape[0]} generating rows")
+    survival = confidences.cumprod(-1)
+    expected = sum(1 + float(survival[r, :ell].sum()) for r, ell in enumerate(lengths))
+    width = 1 + max(lengths)
+    drafted = expected / (draft_seconds + 1.0 / sps(rows * width))
+    return drafted > confidences.shape[0] * sps(rows)
 
 
 def fill_top_k(confidences: torch.Tensor, capacity: int) -> list[int]:

@@ -7,7 +7,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStr
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dspark
-from hf_dspark import DSparkDraftModel
+from hf_dspark import DSparkDraftModel, generation
 
 
 def _prompt(seed=0, length=9, vocab=96):
@@ -255,6 +255,7 @@ def test_draft_context_is_extended_only_with_new_positions(monkeypatch):
     target = tiny_target("llama")
     ids = _prompt(12)
     draft = DSparkDraftModel.from_target(target, block_size=4)
+    generation.draft_seconds(draft, 1)  # the scheduler's one-off timing of a draft block, on a made-up context
     projected = []
     original = draft.context_key_values
 
@@ -305,18 +306,21 @@ def test_head_switched_off_proposes_from_the_backbone_alone():
         assert target.generate(ids, assistant_model=draft, **kw).tolist() == ref
 
 
-@pytest.mark.parametrize("profitable", [False, True])
-def test_scheduler_backs_off_drafting_when_it_verifies_nothing(profitable):
-    """With a steep SPS profile and low confidences the scheduler verifies no draft token: the loop then skips the
-    draft for 1, 2, 4, … rounds (plain decode steps) instead of paying for proposals it throws away. The output is
-    plain greedy either way; with a flat profile every round drafts."""
+@pytest.mark.parametrize("case", ["free", "steep", "costly-draft"])
+def test_scheduler_backs_off_drafting_when_it_does_not_pay(case, monkeypatch):
+    """When a drafted round is not worth its cost in expectation (a steep SPS profile and low confidences, so no
+    draft token is verified; or a draft block that costs more than a whole verify step, so even verified tokens
+    lose), the loop skips the draft for 1, 2, 4, … rounds (plain decode steps). The output is plain greedy either
+    way; with a flat profile and a free draft every round drafts."""
     from hf_dspark.generation import MAX_BACKOFF
     from hf_dspark.scheduler import SPSProfile
 
+    steep, cost = {"free": (False, 0.0), "steep": (True, 0.0), "costly-draft": (False, 10.0)}[case]
+    monkeypatch.setattr(generation, "draft_seconds", lambda draft, rows, do_sample=False: cost)
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.config.verify_mode = "scheduled"
-    draft.sps_profile = SPSProfile.from_callable((lambda B: 1.0) if profitable else (lambda B: 1.0 / B))
+    draft.sps_profile = SPSProfile.from_callable((lambda B: 1.0 / B) if steep else (lambda B: 1.0))
     calls = []
     original = draft.forward
     draft.forward = lambda *a, **k: calls.append(1) or original(*a, **k)
@@ -324,19 +328,24 @@ def test_scheduler_backs_off_drafting_when_it_verifies_nothing(profitable):
     kw = dict(max_new_tokens=40, do_sample=False)
     out = target.generate(ids, assistant_model=draft, **kw)
     assert out.tolist() == target.generate(ids, **kw).tolist()
-    rounds = draft.stats.rounds
-    if profitable:  # verifying is free: every round drafts and verifies all it may
+    rounds, verified = draft.stats.rounds, draft.stats.verify_rounds
+    if case == "free":  # verifying is free: every round drafts and verifies all it may
         # (the last rounds are capped by max_new_tokens; the very last may have no room left to draft at all)
-        assert all(v[0] > 0 for v in draft.stats.verify_rounds[:-1]) and draft.stats.verify_rounds[0] == [4]
-        assert len(calls) == sum(v != [0] for v in draft.stats.verify_rounds) >= rounds - 1
-    else:  # nothing verified: drafts at rounds 0, 2, 5, 10, 19, 36 (back-offs 1, 2, 4, 8, 16)
-        assert all(v == [0] for v in draft.stats.verify_rounds) and rounds == 39  # the prefill gives token 1
-        expected, r, b = [], 0, 0
-        while r < rounds:
-            expected.append(r)
-            b = min(2 * b or 1, MAX_BACKOFF)
-            r += b + 1
-        assert len(calls) == len(expected) < rounds // 3
+        assert all(v[0] > 0 for v in verified[:-1]) and verified[0] == [4]
+        assert len(calls) == sum(v != [0] for v in verified) >= rounds - 1
+        return
+    # drafts at rounds 0, 2, 5, 10, 19, 36 only (back-offs 1, 2, 4, 8, 16)
+    expected, r, b = [], 0, 0
+    while r < rounds:
+        expected.append(r)
+        b = min(2 * b or 1, MAX_BACKOFF)
+        r += b + 1
+    assert len(calls) == len(expected) < rounds // 3
+    drafted = [i for i, v in enumerate(verified) if v != [0]]
+    if case == "steep":  # nothing verified
+        assert drafted == [] and rounds == 39  # the prefill gives token 1
+    else:  # the plan verifies every drafted token (the last may be capped by max_new_tokens), yet it does not pay
+        assert drafted == expected and all(verified[i] == [4] for i in drafted[:-1]) and verified[drafted[-1]][0] > 0
 
 
 @pytest.mark.parametrize("head", ["none", "markov", "gated", "rnn"])
@@ -389,6 +398,7 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
     draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8).double()
     draft.config.verify_mode, draft.config.confidence_threshold = mode, 0.5
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.05 * B))
+    monkeypatch.setattr(generation, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
     with torch.no_grad():  # confidences spread over (0, 1), so plans end at different slots
         draft.confidence.confidence_head.weight.normal_(0, 0.3)
     widths = []

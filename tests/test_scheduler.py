@@ -257,15 +257,27 @@ def test_measure_on_batch_shapes(tmp_path, monkeypatch):
     from hf_dspark import DSparkDraftModel, generation, scheduler
 
     target = tiny_target("llama")
-    shapes = []
+    shapes, masks = [], []
     real_forward = target.forward
-    monkeypatch.setattr(
-        target, "forward", lambda *a, **k: shapes.append(tuple(k["input_ids"].shape)) or real_forward(*a, **k)
-    )
+
+    def spy(*a, **k):
+        shapes.append(tuple(k["input_ids"].shape))
+        masks.append(k["attention_mask"])
+        assert k["output_hidden_states"] and k["position_ids"].shape == k["input_ids"].shape  # the loop's call
+        return real_forward(*a, **k)
+
+    monkeypatch.setattr(target, "forward", spy)
     monkeypatch.setattr(scheduler, "probe_seconds", lambda t, fresh=False: 1.0)
     sps = SPSProfile.measure(target, grid=[3, 6, 9], context=8, reps=1, cache_dir=tmp_path, rows=3)
     assert sorted(sps.table) == [3, 6, 9]
-    assert shapes == [(3, 8)] + [(3, 1)] * 2 + [(3, 2)] * 2 + [(3, 3)] * 2  # prefill, then warm-up + 1 rep each
+    assert shapes == [(3, 8)] + [(3, 1), (3, 2), (3, 3)] * 2  # prefill, then a warm-up pass + 1 pass over B
+    # a batch is timed under a left-padding mask (one hole), covering the cache and the new block
+    assert [tuple(m.shape) for m in masks] == [(3, 8)] + [(3, 9), (3, 10), (3, 11)] * 2
+    assert all(int((m == 0).sum()) == 1 and m[0, 0] == 0 for m in masks)
+    masks.clear()
+    SPSProfile.measure(target, grid=[1, 2], context=8, reps=1, cache_dir=None)
+    assert masks == [None] * 5  # one row: the loop passes no mask
+    shapes.clear()
     SPSProfile.measure(target, grid=[3, 6, 9], context=8, reps=1, cache_dir=tmp_path)  # one row: another key
     assert len(list(tmp_path.glob("*.json"))) == 2
     with pytest.raises(ValueError, match="multiple of rows = 2"):
@@ -311,3 +323,53 @@ def test_measure_sps_ahead_of_generate(monkeypatch):
         draft.measure_sps(0)
     with pytest.raises(RuntimeError, match="not attached"):
         DSparkDraftModel(draft.config).measure_sps(1)
+
+
+def test_plus_seconds_prices_a_round_with_its_draft():
+    sps = SPSProfile.from_table({1: 10.0, 5: 5.0})
+    priced = sps.plus_seconds(0.1)
+    assert priced(1) == pytest.approx(1 / (0.1 + 0.1)) and priced(5) == pytest.approx(1 / (0.2 + 0.1))
+    assert all(priced(b) >= priced(b + 1) for b in range(1, 12))
+    assert sps.plus_seconds(0.0) is sps
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="extra seconds per step"):
+            sps.plus_seconds(bad)
+
+
+def test_drafting_pays_by_hand():
+    from hf_dspark.scheduler import drafting_pays
+
+    flat = SPSProfile.from_callable(lambda B: 10.0)  # a verify step takes 0.1 s whatever its size
+    conf = torch.tensor([[0.5, 0.5]])  # expected tokens verifying both: 1 + 0.5 + 0.25 = 1.75
+    assert drafting_pays(conf, [2], 1, flat, 0.05)  # 1.75 / 0.15 s = 11.7 tokens/s > 10 plain
+    assert not drafting_pays(conf, [2], 1, flat, 0.1)  # 1.75 / 0.2 s = 8.75 < 10
+    assert not drafting_pays(conf, [0], 1, flat, 0.001)  # nothing verified: drafting was pure cost
+    assert drafting_pays(conf, [1], 1, flat, 0.04)  # 1.5 / 0.14 = 10.7
+    # a padded batch of 2 rows with one still generating pays for 2·(1 + ℓ) slots and a 2-row plain step
+    steep = SPSProfile.from_callable(lambda B: 10.0 / B)
+    assert not drafting_pays(conf, [2], 2, steep, 0.0)  # 1.75 / 0.6 s < 1 / 0.2 s
+    assert not drafting_pays(torch.tensor([[0.9, 0.9]]), [1], 1, steep, 0.0)  # 1.9 / 0.2 s < 1 / 0.1 s
+    sublinear = SPSProfile.from_callable(lambda B: 10.0 / B**0.5)
+    assert drafting_pays(torch.tensor([[0.9, 0.9]]), [1], 1, sublinear, 0.0)  # 1.9 / 0.141 s > 1 / 0.1 s
+    with pytest.raises(ValueError, match="2 lengths"):
+        drafting_pays(conf, [1, 1], 1, flat, 0.0)
+    with pytest.raises(ValueError, match="rows = 1 must cover the 2 generating rows"):
+        drafting_pays(torch.full((2, 2), 0.5), [1, 1], 1, flat, 0.0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        drafting_pays(torch.tensor([[1.5, 0.5]]), [1], 1, flat, 0.0)
+
+
+def test_draft_seconds_is_measured_once_per_batch_size():
+    from hf_dspark import DSparkDraftModel, generation
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    blocks = []
+    real = draft.forward
+    draft.forward = lambda *a, **k: blocks.append(a[0].shape) or real(*a, **k)
+    first = generation.draft_seconds(draft, 2, reps=2)
+    assert first > 0 and len(blocks) == 3 and all(s[:2] == (2, 4) for s in blocks)  # warm-up + 2, [R, γ] blocks
+    assert generation.draft_seconds(draft, 2) == first and len(blocks) == 3
+    generation.draft_seconds(draft, 1, reps=1)
+    generation.draft_seconds(draft, 1, do_sample=True, reps=1)
+    assert len(blocks) == 7 and len(draft.measured_draft_seconds) == 3
