@@ -213,12 +213,14 @@ def main() -> None:
         # the profiles generate uses: one per batch size, on the [R, 1 + ℓ] shapes it verifies, including the
         # power-of-two sizes a batch shrinks through as rows finish; measured before any timing starts
         sizes = sorted({generation.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
+        draft.measure_sps(*sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
         sps = {R: generation.sps_profile(draft, target, R).table for R in sizes}
+        draft_ms = {R: 1000 * generation.draft_seconds(draft, R) for R in sizes}
         rows = [run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats) for R in args.rows]
         result = {"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype).replace("torch.", ""),
                   "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                   "gamma": gamma,
-                  "sps": sps, "rows": rows}  # fmt: skip
+                  "sps": sps, "draft_ms": draft_ms, "rows": rows}  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
     args.out.with_suffix(".md").write_text(markdown(result))

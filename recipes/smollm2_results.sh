@@ -4,8 +4,8 @@
 #
 #   LIMIT=30 DTYPE=bfloat16 bash recipes/smollm2_results.sh [path/to/none-ablation [path/to/rnn-draft]]
 #
-# Run it on an otherwise idle machine: the SPS profile the scheduler uses is re-measured first (it is cached per
-# target/device/dtype, and one measured under load would mislead the scheduler), and the timings are wall-clock.
+# Run it on an otherwise idle machine: the timings are wall-clock, and so are the SPS profiles the scheduler uses
+# (a cached profile whose probe no longer matches this machine's speed is measured again).
 # DTYPE defaults to bfloat16, the dtype in which a multi-token verify is cheap on CPUs with native bf16 units
 # (see `hf_dspark.embedded.fast_dtype`); with DTYPE=float32 outputs are bit-identical to plain greedy.
 set -euo pipefail
@@ -21,7 +21,6 @@ DRAFTS=("markov=$DRAFT" "none=$NONE")
 OUT=benchmarks/results/smollm2
 SETS=(humaneval gsm8k mt-bench)
 
-rm -rf "$HOME/.cache/hf_dspark/sps"
 PYTHONPATH=. $PY benchmarks/scheduler_throughput.py --dtype "$DTYPE" --rows 1 4 8 16 --max-new-tokens 64 --readme README.md
 $PY -m hf_dspark.cli eval --dtype "$DTYPE" --draft "${DRAFTS[@]}" --datasets "${SETS[@]}" \
     --limit "$LIMIT" --temperatures 0 --verify-mode fixed --out "$OUT"
