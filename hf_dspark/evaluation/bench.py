@@ -66,6 +66,9 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
     prompts = load_prompts(dataset, limit)
     strict = target.dtype in (torch.float32, torch.float64)
     per = {m.name: {"seconds": [], "tokens": [], "committed": 0, "rounds": 0, "same": 0} for m in methods}
+    for m in methods:  # the scheduler's SPS profile and draft cost, measured (or loaded) before any timing
+        if m.draft is not None and m.draft.confidence is not None:
+            m.draft.measure_sps(1)
     for i, text in enumerate(tqdm(prompts, desc=f"bench {dataset}", disable=not progress)):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
