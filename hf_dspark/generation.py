@@ -2,6 +2,7 @@
 
     draft_block     one backbone pass for all rows, then the sequential head left to right -> tokens, q, c
     choose_lengths  how many draft tokens each row verifies (fixed γ, a confidence threshold, or the scheduler)
+    draft_seconds   what one draft block costs; the scheduler prices each drafted round with it
     verify_row      exact acceptance for one row -> accepted prefix + correction/bonus token
     dspark_decode   the loop: prefill, then draft, choose, verify (one target forward for all rows), commit
 
