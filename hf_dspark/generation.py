@@ -274,12 +274,15 @@ def draft_seconds(
         anchors = torch.full((rows,), context, device=device)
         sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
         times = []
-        for _ in range(reps + 1):
-            sync()
-            start = time.perf_counter()
-            draft_block(draft, ctx, histories, anchors, c.num_draft_tokens, LogitsProcessorList(), do_sample)
-            sync()
-            times.append(time.perf_counter() - start)
+        # sampled blocks draw from the global generator: restore it, so a seeded generate is reproducible whether
+        # or not its first call measured the draft
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for _ in range(reps + 1):
+                sync()
+                start = time.perf_counter()
+                draft_block(draft, ctx, histories, anchors, c.num_draft_tokens, LogitsProcessorList(), do_sample)
+                sync()
+                times.append(time.perf_counter() - start)
         draft.measured_draft_seconds[key] = statistics.median(times[1:])
     return draft.measured_draft_seconds[key]
 

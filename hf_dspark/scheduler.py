@@ -137,11 +137,10 @@ class SPSProfile:
         grid = sorted(set(grid or [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17]))
         key, ident = cls.cache_key(target, target.device, target.dtype, grid, context, rows)
         path = Path(cache_dir) / f"{key}.json" if cache_dir is not None else None
-        probe = probe_seconds(target) if path is not None else None
         if path is not None and path.is_file():
             try:
                 saved = json.loads(path.read_text())
-                ratio = float(saved["probe"]) / probe
+                ratio = float(saved["probe"]) / probe_seconds(target)
                 if saved["ident"] == ident and 1 / STALE_RATIO <= ratio <= STALE_RATIO:
                     return cls.from_table({int(b): s for b, s in saved["table"].items()})
             except (ValueError, KeyError, TypeError, ZeroDivisionError):

@@ -371,5 +371,21 @@ def test_draft_seconds_is_measured_once_per_batch_size():
     assert first > 0 and len(blocks) == 3 and all(s[:2] == (2, 4) for s in blocks)  # warm-up + 2, [R, γ] blocks
     assert generation.draft_seconds(draft, 2) == first and len(blocks) == 3
     generation.draft_seconds(draft, 1, reps=1)
+    state = torch.random.get_rng_state()
     generation.draft_seconds(draft, 1, do_sample=True, reps=1)
     assert len(blocks) == 7 and len(draft.measured_draft_seconds) == 3
+    # sampled blocks leave the global generator as they found it: a seeded generate reproduces whether or not
+    # its first call measured the draft
+    assert torch.equal(torch.random.get_rng_state(), state)
+    draft.forward = real
+    draft.config.verify_mode = "scheduled"
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    outs = []
+    for _ in range(2):
+        draft.measured_draft_seconds.clear()
+        torch.manual_seed(0)
+        first = target.generate(ids, assistant_model=draft, do_sample=True, max_new_tokens=12)  # measures
+        torch.manual_seed(0)
+        outs += [first, target.generate(ids, assistant_model=draft, do_sample=True, max_new_tokens=12)]  # cached
+    assert all(torch.equal(o, outs[0]) for o in outs)
