@@ -287,6 +287,13 @@ def draft_seconds(
     return draft.measured_draft_seconds[key]
 
 
+def _prices(draft: DSparkDraftModel, target, rows: int, do_sample: bool):
+    """What the scheduler prices a batch of ``rows`` with: (verify profile, seconds of a draft block, the planner's
+    profile = the verify profile with the draft block's cost added to every step)."""
+    sps, drafting = sps_profile(draft, target, rows), draft_seconds(draft, rows, do_sample)
+    return sps, drafting, sps.plus_seconds(drafting)
+
+
 def profile_rows(active: int, batch: int) -> int:
     """The batch size whose SPS profile prices a batch that shrank from ``batch`` to ``active`` rows: the next
     power of two (at most ``batch``), so a shrinking batch measures O(log R) profiles rather than one per size."""
@@ -387,8 +394,7 @@ def dspark_decode(
     mode = resolve_verify_mode(draft)
     # the scheduler prices a drafted round as the draft block plus the verify step (sps: the verify step alone)
     priced = mode in ("scheduled", "async")
-    sps = sps_profile(draft, target, R) if priced else None
-    drafting = draft_seconds(draft, R, do_sample) if priced else 0.0
+    sps, drafting, planning = _prices(draft, target, R, do_sample) if priced else (None, 0.0, None)
     stats = DSparkStats(block_size=gamma)
     draft.stats = stats
     max_length = generation_config.max_length
@@ -432,7 +438,7 @@ def dspark_decode(
         skip = max(skip - 1, 0)
         stats.round_rows.append([batch_rows[r] for r in range(R) if not finished[r]])
         plan = functools.partial(
-            choose_lengths, mode, caps=caps, history=conf_history, sps=sps.plus_seconds(drafting) if priced else None,
+            choose_lengths, mode, caps=caps, history=conf_history, sps=planning,
             threshold=draft.config.confidence_threshold, layout=draft.config.verify_layout,
         )  # fmt: skip
         planned = {}  # the plan for the confidences drafted so far; after the last slot it is the round's plan
@@ -451,7 +457,7 @@ def dspark_decode(
             conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
             if priced:
                 active = [r for r in range(R) if not finished[r]]
-                pays = drafting_pays(proposal.confidences[active].cpu(), [lengths[r] for r in active], R, sps, drafting)
+                pays = drafting_pays(conf_history[-1][active], [lengths[r] for r in active], R, sps, drafting)
                 backoff = 0 if pays else min(2 * backoff or 1, MAX_BACKOFF)
                 skip = backoff
         stats.verify_rounds.append([lengths[r] for r in range(R) if not finished[r]])
@@ -520,8 +526,7 @@ def dspark_decode(
             histories, batch_rows = [histories[r] for r in keep], [batch_rows[r] for r in keep]
             R, finished = len(keep), [False] * len(keep)
             if priced:
-                sps = sps_profile(draft, target, profile_rows(R, input_ids.shape[0]))
-                drafting = draft_seconds(draft, profile_rows(R, input_ids.shape[0]), do_sample)
+                sps, drafting, planning = _prices(draft, target, profile_rows(R, input_ids.shape[0]), do_sample)
 
     if streamer is not None:
         streamer.end()
