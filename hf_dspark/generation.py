@@ -30,6 +30,7 @@ from .configuration_dspark import VERIFY_LAYOUTS, VERIFY_MODES
 from .kernels import fused_head_step, fused_temperature, use_kernels
 from .modeling_dspark import DSparkDraftModel
 from .scheduler import (
+    ColumnPlan,
     SPSProfile,
     drafting_pays,
     fill_top_k,
@@ -175,8 +176,8 @@ def draft_block(
 
     One backbone forward gives U, h for all rows and slots; the sequential head then adds its bias left to right,
     each position's logits are processed exactly like the target's, and a token is chosen (argmax or sample).
-    ``enough(confidences [R, k])``, called after each slot, ends the block early (fewer than ``max_tokens``
-    tokens) when it says no later slot will be verified.
+    ``enough(confidences [R])``, called with each slot's confidences (float64) as they come, ends the block early
+    (fewer than ``max_tokens`` tokens) when it says no later slot will be verified.
     """
     gamma = draft.config.block_size
     device = anchor_positions.device
@@ -218,7 +219,7 @@ def draft_block(
         if conf is not None:
             confs.append(conf)
         prev = token
-        if enough is not None and enough(torch.stack(confs, dim=1).double()):
+        if enough is not None and enough(conf.double()):
             break
     return Proposal(
         tokens=torch.stack(tokens, dim=1),
@@ -302,7 +303,7 @@ def profile_rows(active: int, batch: int) -> int:
 
 def choose_lengths(mode, confidences, caps, history, sps, threshold, layout: str = "padded") -> list[int]:
     """Draft tokens each row verifies. ``caps`` [R] bound them (length limit; 0 for finished rows); confidences
-    beyond a cap are zeroed first, so the planners never admit them. ``history`` holds past rounds' confidences
+    beyond a cap count as 0, so the planners never admit them. ``history`` holds past rounds' confidences
     (the asynchronous variant sizes its capacity from the one two rounds back). ``layout``: ``padded`` plans
     whole columns of the [R, 1 + ℓ] verify block this loop runs (every row then verifies up to its cap),
     ``packed`` plans tokens as the paper's Algorithm 1 does for ragged kernels (B = Σ_r (1 + ℓ_r))."""
@@ -310,23 +311,31 @@ def choose_lengths(mode, confidences, caps, history, sps, threshold, layout: str
         raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {layout!r}")
     if mode == "fixed" or confidences is None or confidences.shape[1] == 0:
         return list(caps)
+    planner = column_plan(mode, layout, caps, sps, threshold)
+    if planner is not None:
+        for k in range(confidences.shape[1]):
+            if not planner.admit(confidences[:, k]):
+                break
+        return planner.lengths
     allowed = torch.arange(confidences.shape[1], device=confidences.device)[None] < torch.tensor(caps)[:, None]
     conf = torch.where(allowed, confidences, 0).cpu()
-    if mode == "threshold":
-        return [int((conf[r] >= threshold).long().cumprod(0).sum()) for r in range(conf.shape[0])]
     old = history[-2] if mode == "async" and len(history) >= 2 and history[-2].shape == conf.shape else None
-    if layout == "padded":
-        width = plan_verify_width(conf, sps) if old is None else plan_capacity_width(old, sps)
+    if layout == "padded":  # async (column_plan covers scheduled); its first rounds have no old confidences
+        width = plan_capacity_width(old, sps) if old is not None else plan_verify_width(conf, sps)
         return [min(width, cap) for cap in caps]
     return plan_verify_lengths(conf, sps) if old is None else fill_top_k(conf, plan_capacity(old, sps))
 
 
-def _plan_is_prefix_closed(mode: str, layout: str, rows: int) -> bool:
-    """Whether the verify lengths planned from the first k confidence columns are final once they verify fewer
-    than k columns: true for ``threshold`` and for ``scheduled`` on the padded layout (or one row), which admit
-    columns left to right and stop at the first that fails. Not for packed multi-row Algorithm 1 (a later
-    column's token could tie into the sorted order) nor ``async`` (it sizes from full past blocks)."""
-    return mode == "threshold" or (mode == "scheduled" and (layout == "padded" or rows == 1))
+def column_plan(mode: str, layout: str, caps: list[int], sps, threshold: float) -> ColumnPlan | None:
+    """A :class:`ColumnPlan` for the modes whose plan closes at the first column no row verifies, so drafting can
+    stop there: ``threshold``, and ``scheduled`` on the padded layout (or one row, where a column is a token).
+    None for the others: ``fixed``, packed multi-row Algorithm 1 (a later column's token could sort before an
+    earlier row's) and ``async`` (it sizes from full past blocks)."""
+    if mode == "threshold":
+        return ColumnPlan(caps, threshold=threshold)
+    if mode == "scheduled" and (layout == "padded" or len(caps) == 1):
+        return ColumnPlan(caps, sps=sps)
+    return None
 
 
 def verify_row(draft_tokens, draft_probs, raw_logits, history, logits_processor, do_sample):
@@ -437,22 +446,20 @@ def dspark_decode(
         caps = [0 if finished[r] or skip else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
         skip = max(skip - 1, 0)
         stats.round_rows.append([batch_rows[r] for r in range(R) if not finished[r]])
-        plan = functools.partial(
-            choose_lengths, mode, caps=caps, history=conf_history, sps=planning,
-            threshold=draft.config.confidence_threshold, layout=draft.config.verify_layout,
-        )  # fmt: skip
-        planned = {}  # the plan for the confidences drafted so far; after the last slot it is the round's plan
-
-        def enough(conf, plan=plan, planned=planned):  # column k = conf.shape[1] will never be verified
-            planned["lengths"] = plan(conf)
-            return max(planned["lengths"]) < conf.shape[1]
-
-        early = STOP_DRAFTING_EARLY and _plan_is_prefix_closed(mode, draft.config.verify_layout, R)
+        # the plan grows column by column as the draft's slots come; drafting stops at the first column it closes on
+        planner = column_plan(mode, draft.config.verify_layout, caps, planning, draft.config.confidence_threshold)
+        early = STOP_DRAFTING_EARLY and planner is not None
         proposal = draft_block(
             draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample,
-            enough=enough if early else None,
+            enough=(lambda column, planner=planner: not planner.admit(column)) if early else None,
         )  # fmt: skip
-        lengths = planned["lengths"] if "lengths" in planned else plan(proposal.confidences)
+        if early:
+            lengths = planner.lengths
+        else:
+            lengths = choose_lengths(
+                mode, proposal.confidences, caps, conf_history, planning, draft.config.confidence_threshold,
+                draft.config.verify_layout,
+            )  # fmt: skip
         if proposal.confidences is not None and proposal.confidences.shape[1]:
             conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
             if priced:

@@ -253,6 +253,72 @@ def plan_verify_lengths(confidences: torch.Tensor, sps: SPSProfile | Callable[[i
     return best
 
 
+class ColumnPlan:
+    """Verify lengths planned one draft column at a time, as the draft produces them (left to right).
+
+    ``caps`` [R] bound each row (length limit; 0 for a finished row): confidences beyond a row's cap count as 0.
+    Feed confidence columns c_{·,k} [R] for k = 1, 2, … to :meth:`admit`; it says whether column k is verified by
+    any row, and once it says no, no later column will be (the plan is closed), so the caller can stop drafting.
+    :attr:`lengths` is then the plan: with a ``threshold``, each row verifies its prefix of confidences ≥ it;
+    otherwise (``sps`` given) Algorithm 1 on a padded [R, 1 + ℓ] verify block: column ℓ joins while
+    Θ(ℓ) = (R + Σ_r Σ_{j ≤ ℓ} a_{r,j})·SPS(R·(1 + ℓ)) improves, a = prefix survival, and the first column that
+    does not improve Θ ends the plan. O(R) per column, so the check after each drafted slot costs no re-plan.
+    """
+
+    def __init__(
+        self,
+        caps: list[int],
+        sps: SPSProfile | Callable[[int], float] | None = None,
+        threshold: float | None = None,
+    ):
+        if (sps is None) == (threshold is None):
+            raise ValueError("give exactly one of sps (scheduled) or threshold")
+        self.caps, self.sps, self.threshold = list(caps), sps, threshold
+        R = len(self.caps)
+        self.survival = [1.0] * R  # a_{r,ℓ}; with a threshold, 1.0 while row r's prefix passes, else 0.0
+        self.passed = [0] * R  # with a threshold: each row's passing prefix
+        self.width, self.closed = 0, False
+        self.tau = float(R)
+        self.theta = self.tau * sps(R) if sps is not None else 0.0
+
+    def admit(self, column: torch.Tensor | list[float]) -> bool:
+        """Confidences [R] of the next column (k = width + 1) -> whether any row verifies it."""
+        if self.closed:
+            return False
+        values = column.tolist() if isinstance(column, torch.Tensor) else list(column)
+        if len(values) != len(self.caps):
+            raise ValueError(f"a column of {len(values)} confidences for {len(self.caps)} rows")
+        if not all(0.0 <= c <= 1.0 for c in values):  # also rejects NaN
+            raise ValueError("confidences must be probabilities in [0, 1]")
+        k, R = self.width + 1, len(self.caps)
+        for r, c in enumerate(values):
+            if k > self.caps[r]:
+                c = 0.0
+            elif self.threshold is not None:
+                c = 1.0 if c >= self.threshold else 0.0
+            self.survival[r] *= c
+        if self.threshold is not None:
+            admitted = any(self.survival)
+        else:
+            tau = self.tau + sum(self.survival)
+            theta = tau * self.sps(R * (1 + k))
+            admitted = theta > self.theta
+            if admitted:
+                self.tau, self.theta = tau, theta
+        if admitted:
+            self.width = k
+            self.passed = [k if a else n for n, a in zip(self.passed, self.survival, strict=True)]
+        self.closed = not admitted
+        return admitted
+
+    @property
+    def lengths(self) -> list[int]:
+        """Draft tokens each row verifies under the columns admitted so far."""
+        if self.threshold is not None:
+            return list(self.passed)
+        return [min(self.width, cap) for cap in self.caps]
+
+
 def plan_verify_width(confidences: torch.Tensor, sps: SPSProfile | Callable[[int], float]) -> int:
     """Algorithm 1 for a padded batch: confidences [R, γ] -> ℓ, the draft columns every row verifies.
 
@@ -263,15 +329,14 @@ def plan_verify_width(confidences: torch.Tensor, sps: SPSProfile | Callable[[int
     stop at the first column that does not improve Θ. Non-anticipating as Algorithm 1 is: whether column ℓ is
     verified depends on the survivals up to ℓ, never on a later c (which depends on the tokens being verified).
     For R = 1 it equals ``plan_verify_lengths``. Zero out confidences a row may not verify (length limit,
-    finished rows) before calling; the caller caps each row at its limit.
+    finished rows) before calling; the caller caps each row at its limit. (:class:`ColumnPlan` column by column.)
     """
-    thetas = _column_thetas(confidences, sps)
-    best = 0
-    for width in range(1, len(thetas)):
-        if thetas[width] <= thetas[best]:
+    confidences = _check_confidences(confidences)
+    plan = ColumnPlan([confidences.shape[1]] * confidences.shape[0], sps=sps)
+    for k in range(confidences.shape[1]):
+        if not plan.admit(confidences[:, k]):
             break
-        best = width
-    return best
+    return plan.width
 
 
 def plan_capacity_width(old_confidences: torch.Tensor, sps: SPSProfile | Callable[[int], float]) -> int:

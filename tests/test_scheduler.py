@@ -12,6 +12,7 @@ from conftest import tiny_target
 from hf_dspark import DSparkConfig
 from hf_dspark.generation import choose_lengths
 from hf_dspark.scheduler import (
+    ColumnPlan,
     SPSProfile,
     fill_top_k,
     plan_capacity,
@@ -142,6 +143,54 @@ def test_padded_planner_prices_a_column_not_a_token():
         choose_lengths("scheduled", conf, caps, [], sps, 0.5, "ragged")
     with pytest.raises(ValueError, match="verify_layout must be one of"):
         DSparkConfig(verify_layout="ragged")
+
+
+def _fed(plan, conf):
+    """Feed the columns of conf [R, γ] until the plan closes -> (columns it saw, what admit said each time)."""
+    said = []
+    for k in range(conf.shape[1]):
+        said.append(plan.admit(conf[:, k]))
+        if not said[-1]:
+            break
+    return said
+
+
+def test_column_plan_matches_the_whole_block_plans():
+    rng = random.Random(7)
+    for _ in range(300):
+        conf, sps = _random_problem(rng)
+        R, gamma = conf.shape
+        caps = [rng.randint(0, gamma) for _ in range(R)]
+        zeroed = torch.where(torch.arange(gamma)[None] < torch.tensor(caps)[:, None], conf, 0.0)
+        # scheduled: Algorithm 1 over columns on the capped confidences, each row cut at its cap
+        plan = ColumnPlan(caps, sps=sps)
+        said = _fed(plan, conf)
+        width = plan_verify_width(zeroed, sps)
+        assert plan.lengths == [min(width, cap) for cap in caps]
+        assert plan.width == width and said == [True] * width + [False] * (len(said) - width)
+        assert plan.admit(torch.ones(R)) is False and plan.lengths == [min(width, cap) for cap in caps]  # closed
+        # threshold (0 included: a cap still bounds a row whose confidences all pass)
+        threshold = rng.choice([0.0, 0.3, 0.5, 0.8])
+        plan = ColumnPlan(caps, threshold=threshold)
+        _fed(plan, conf)
+        expected = [
+            next((j for j in range(cap) if conf[r, j] < threshold), cap) for r, cap in enumerate(caps)
+        ]  # fmt: skip
+        assert plan.lengths == expected
+        assert choose_lengths("threshold", conf, caps, [], sps, threshold) == expected
+
+
+def test_column_plan_bad_input():
+    sps = SPSProfile.from_callable(lambda B: 1.0 / B)
+    with pytest.raises(ValueError, match="exactly one of sps"):
+        ColumnPlan([2], sps=sps, threshold=0.5)
+    with pytest.raises(ValueError, match="exactly one of sps"):
+        ColumnPlan([2])
+    with pytest.raises(ValueError, match="a column of 3 confidences for 2 rows"):
+        ColumnPlan([2, 2], sps=sps).admit(torch.tensor([0.5, 0.5, 0.5]))
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"probabilities in \[0, 1\]"):
+            ColumnPlan([2, 2], threshold=0.5).admit([0.5, bad])
 
 
 def test_async_capacity_then_top_k():
