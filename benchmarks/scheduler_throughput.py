@@ -1,9 +1,11 @@
 """Batched throughput of verify modes on the embedded target (issue: confidence-scheduled verification).
 
     python benchmarks/scheduler_throughput.py [--draft DIR] [--rows 1 4 8 16] [--max-new-tokens 64] [--dtype auto]
+                                              [--prompts 8] [--repeats 3]
 
-For R concurrent prompts of mixed domains (first turns of gsm8k, humaneval, mt-bench, mbpp, math500): total
-tokens/s of plain batched ``generate``, DSpark ``fixed`` with γ ∈ {2, 4, 8} (``verify_limit``), ``scheduled``,
+For R concurrent prompts of mixed domains (first turns of gsm8k, humaneval, mt-bench, mbpp, math500; at least
+``--prompts`` of them per R, run as batches of R, so a small R is not one prompt's luck): total tokens/s of
+plain batched ``generate``, DSpark ``fixed`` with γ ∈ {2, 4, 8} (``verify_limit``), ``scheduled``,
 ``scheduled-packed`` (the paper's per-token Algorithm 1, which prices a token as one slot although this loop
 verifies a padded [R, 1 + ℓ] block), ``async``, and a measured hindsight oracle: a run in which each row verifies
 exactly the draft tokens that plain greedy's output shows were going to be accepted (no rejected token is ever
@@ -99,37 +101,41 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
         generation.draft_block, generation.choose_lengths = real_draft, real_choose
 
 
-def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: int = 1) -> dict:
-    """Every mode on the same R prompts, ``repeats`` passes over all modes (A B C … A B C …, so drift hits all);
+def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: int = 1, prompts: int = 8) -> dict:
+    """Every mode on the same prompts in batches of R (at least ``prompts`` prompts, so a small R is not one
+    prompt's luck), ``repeats`` passes over all modes (A B C … A B C …, so drift hits all);
     -> {mode: {tokens, seconds, tok_per_s[, tau, verify_per_request, rows_off_reference]}} summed over passes."""
     gamma = draft.config.num_draft_tokens
-    ids, mask = batch(tokenizer, mixed_prompts(R))
-    width, eos = ids.shape[1], tokenizer.eos_token_id
-    kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    n_batches = -(-max(prompts, R) // R)
+    texts = mixed_prompts(n_batches * R)
+    batches = [batch(tokenizer, texts[i * R : (i + 1) * R]) for i in range(n_batches)]
+    eos = tokenizer.eos_token_id
     modes = {"plain": None, **{f"fixed-{g}": ("fixed", g) for g in (2, 4, 8) if g <= gamma},
              "scheduled": ("scheduled", None), "scheduled-packed": ("scheduled", None), "async": ("async", None),
              "oracle": ("fixed", None)}  # fmt: skip
     totals = {name: {"tokens": 0, "seconds": 0.0, "committed": 0, "rounds": 0, "budget": []} for name in modes}
-    reference, diverged = None, set()
+    references, diverged = [None] * n_batches, [set() for _ in range(n_batches)]
     for _ in range(repeats):
         for name, setting in modes.items():
-            t0 = time.perf_counter()
-            if setting is None:
-                out = target.generate(ids, **kw)
-                reference = out.tolist()
-            else:
-                draft.config.verify_mode, draft.config.verify_limit = setting
-                draft.config.verify_layout = "packed" if name.endswith("-packed") else "padded"
-                with hindsight(reference, diverged) if name == "oracle" else nullcontext():
-                    out = target.generate(ids, assistant_model=draft, **kw)
-            t = totals[name]
-            t["seconds"] += time.perf_counter() - t0
-            t["tokens"] += count_new(out, width, eos)
-            if setting is not None:
-                t["committed"] += sum(draft.stats.committed)
-                t["rounds"] += draft.stats.rounds
-                t["budget"] += [x for rnd in draft.stats.verify_rounds for x in rnd]
-    row = {"R": R}
+            for b, (ids, mask) in enumerate(batches):
+                kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+                t0 = time.perf_counter()
+                if setting is None:
+                    out = target.generate(ids, **kw)
+                    references[b] = out.tolist()
+                else:
+                    draft.config.verify_mode, draft.config.verify_limit = setting
+                    draft.config.verify_layout = "packed" if name.endswith("-packed") else "padded"
+                    with hindsight(references[b], diverged[b]) if name == "oracle" else nullcontext():
+                        out = target.generate(ids, assistant_model=draft, **kw)
+                t = totals[name]
+                t["seconds"] += time.perf_counter() - t0
+                t["tokens"] += count_new(out, ids.shape[1], eos)
+                if setting is not None:
+                    t["committed"] += sum(draft.stats.committed)
+                    t["rounds"] += draft.stats.rounds
+                    t["budget"] += [x for rnd in draft.stats.verify_rounds for x in rnd]
+    row = {"R": R, "prompts": n_batches * R}
     for name, t in totals.items():
         row[name] = {"tokens": t["tokens"], "seconds": t["seconds"], "tok_per_s": t["tokens"] / t["seconds"]}
         if modes[name] is not None:
@@ -138,7 +144,7 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: in
                 tau=t["committed"] / max(t["rounds"], 1), verify_per_request=sum(budget) / max(len(budget), 1)
             )
         if name == "oracle":
-            row[name]["rows_off_reference"] = len(diverged)
+            row[name]["rows_off_reference"] = sum(len(d) for d in diverged)
         print(f"R={R:2d} {name:16s} {row[name]['tok_per_s']:7.1f} tok/s" + (
             f"  tau {row[name]['tau']:.2f}  verify/request {row[name]['verify_per_request']:.2f}"
             if modes[name] is not None else ""), flush=True)  # fmt: skip
@@ -148,12 +154,12 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: in
 def markdown(result: dict) -> str:
     """The table: total tokens/s per mode and R, the scheduler's verify budget, and its ratios to the goals."""
     rows = result["rows"]
-    names = [k for k in rows[0] if k != "R"]
-    head = ["R", *names, "scheduled verify/request", "scheduled / best fixed", "scheduled / oracle"]
+    names = [k for k in rows[0] if k not in ("R", "prompts")]
+    head = ["R", "prompts", *names, "scheduled verify/request", "scheduled / best fixed", "scheduled / oracle"]
     lines = [
         f"Measured {result['date']}, {result['dtype']}, {result['threads']} threads, "
         f"{result['max_new_tokens']} new tokens per prompt, γ = {result['gamma']}; total tokens/s over "
-        f"{result.get('repeats', 1)} interleaved pass(es) of all modes.",
+        f"{result.get('repeats', 1)} interleaved pass(es) of all modes; each R runs its prompts in batches of R.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -161,7 +167,8 @@ def markdown(result: dict) -> str:
     for row in rows:
         best_fixed = max(row[k]["tok_per_s"] for k in names if k.startswith("fixed"))
         s, oracle = row["scheduled"], row["oracle"]["tok_per_s"]
-        cells = [str(row["R"]), *(f"{row[k]['tok_per_s']:.1f}" for k in names), f"{s['verify_per_request']:.2f}",
+        cells = [str(row["R"]), str(row.get("prompts", row["R"])),
+                 *(f"{row[k]['tok_per_s']:.1f}" for k in names), f"{s['verify_per_request']:.2f}",
                  f"{s['tok_per_s'] / best_fixed:.2f}", f"{s['tok_per_s'] / oracle:.2f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -175,7 +182,7 @@ def plot(result: dict, path: Path) -> None:
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in [k for k in rows[0] if k != "R"]:
+    for name in [k for k in rows[0] if k not in ("R", "prompts")]:
         ax.plot([r["R"] for r in rows], [r[name]["tok_per_s"] for r in rows], marker="o", label=name)
     ax.set_xlabel("concurrent prompts R")
     ax.set_ylabel("total tokens/s")
@@ -192,6 +199,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="passes over all modes per R (summed)")
+    ap.add_argument("--prompts", type=int, default=8, help="at least this many prompts per R, in batches of R")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has native bf16 units (see embedded.fast_dtype)")  # fmt: skip
     ap.add_argument(
@@ -216,7 +224,9 @@ def main() -> None:
         draft.measure_sps(*sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
         sps = {R: generation.sps_profile(draft, target, R).table for R in sizes}
         draft_ms = {R: 1000 * generation.draft_seconds(draft, R) for R in sizes}
-        rows = [run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats) for R in args.rows]
+        rows = [
+            run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats, args.prompts) for R in args.rows
+        ]
         result = {"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype).replace("torch.", ""),
                   "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                   "gamma": gamma,

@@ -215,14 +215,14 @@ def _throughput_benchmark():
 
 def test_throughput_table_ratios_by_hand():
     mode = lambda t, **kw: {"tokens": 64, "seconds": 64 / t, "tok_per_s": t, **kw}  # noqa: E731
-    row = {"R": 4, "plain": mode(50.0), "fixed-2": mode(40.0, tau=1.3, verify_per_request=2.0),
+    row = {"R": 4, "prompts": 8, "plain": mode(50.0), "fixed-2": mode(40.0, tau=1.3, verify_per_request=2.0),
            "fixed-4": mode(45.0, tau=1.3, verify_per_request=4.0),
            "scheduled": mode(54.0, tau=1.3, verify_per_request=1.5),
            "oracle": mode(60.0, tau=1.3, verify_per_request=1.0)}  # fmt: skip
     result = {"date": "2026-11-29", "dtype": "bfloat16", "threads": 2, "max_new_tokens": 64, "gamma": 8, "rows": [row]}
     table = _throughput_benchmark().markdown(result)
     # scheduled / best fixed = 54 / 45, scheduled / oracle = 54 / 60
-    assert "| 4 | 50.0 | 40.0 | 45.0 | 54.0 | 60.0 | 1.50 | 1.20 | 0.90 |" in table
+    assert "| 4 | 8 | 50.0 | 40.0 | 45.0 | 54.0 | 60.0 | 1.50 | 1.20 | 0.90 |" in table
     assert table.startswith("Measured 2026-11-29, bfloat16, 2 threads, 64 new tokens per prompt, γ = 8")
 
 
