@@ -20,7 +20,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
@@ -60,14 +60,27 @@ def _process(logits_processor: LogitsProcessorList, ids: torch.Tensor, scores: t
 
 @dataclass
 class DraftContext:
-    """The draft's cache of projected context keys/values, one (k, v) pair per draft layer: [R, KV, L, hd]."""
+    """The draft's cache of projected context keys/values, one (k, v) pair per draft layer: [R, KV, L, hd].
+
+    New target hidden states are queued by :meth:`extend` and projected by :meth:`flush`, which the next drafted
+    block calls first: rounds that do not draft (back-off, length limit) project nothing, and the queued rounds are
+    projected in one call."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    valid: torch.Tensor  # [R, L] bool: False for padding and rejected slots
+    valid: torch.Tensor  # [R, L] bool: False for padding and rejected slots (flushed slots only)
+    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
-    def extend(self, draft: DSparkDraftModel, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
-        """Project only the new hidden states features [R, n, m·d_t] (at positions [R, n]) and append them."""
+    def extend(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """Queue new hidden states features [R, n, m·d_t] at positions [R, n] (valid [R, n]) for the next flush."""
+        self.pending.append((features, positions, valid))
+
+    def flush(self, draft: DSparkDraftModel) -> None:
+        """Project the queued hidden states (only those: the cache keeps earlier projections) and append them."""
+        if not self.pending:
+            return
+        features, positions, valid = (torch.cat(parts, dim=1) for parts in zip(*self.pending, strict=True))
+        self.pending = []
         features = torch.where(valid[..., None], features, 0)  # holes may hold garbage; keep it out of the cache
         new = draft.context_key_values(features.to(draft.dtype), positions)
         self.keys = [torch.cat([k, nk], dim=2) for k, (nk, _) in zip(self.keys, new, strict=True)]
@@ -79,6 +92,7 @@ class DraftContext:
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
         self.valid = self.valid[rows]
+        self.pending = [tuple(x[rows] for x in queued) for queued in self.pending]
 
     @classmethod
     def empty(cls, draft: DSparkDraftModel, rows: int, device: torch.device) -> DraftContext:
@@ -186,6 +200,7 @@ def draft_block(
     if max_tokens == 0:
         no_conf = None if draft.confidence is None else torch.empty(R, 0, device=device)
         return Proposal(anchors.new_empty(R, 0), None, no_conf)
+    context.flush(draft)
     positions = anchor_positions[:, None] + torch.arange(gamma, device=device)
     mask = None
     if not bool(context.valid.all()):
@@ -270,7 +285,7 @@ def draft_seconds(
         features = torch.randn(rows, context, c.num_target_features * c.target_hidden_size, generator=g)
         positions = torch.arange(context).expand(rows, -1).to(device)
         ctx = DraftContext.empty(draft, rows, device)
-        ctx.extend(draft, features.to(device), positions, torch.ones(rows, context, dtype=torch.bool, device=device))
+        ctx.extend(features.to(device), positions, torch.ones(rows, context, dtype=torch.bool, device=device))
         histories = list(torch.zeros(rows, 1, dtype=torch.long, device=device))  # the ids do not change the cost
         anchors = torch.full((rows,), context, device=device)
         sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
@@ -416,7 +431,7 @@ def dspark_decode(
     positions = (cache_mask.long().cumsum(-1) - 1).clamp_min(0)
     out = _target_forward(target, input_ids, positions, attention_mask, cache)
     context = DraftContext.empty(draft, R, device)
-    context.extend(draft, target_features(draft, out.hidden_states), positions, cache_mask.bool())
+    context.extend(target_features(draft, out.hidden_states), positions, cache_mask.bool())
     raw = out.logits[:, -1]
     scores = _process(logits_processor, input_ids, raw.float() if raw.dtype != torch.float64 else raw)
     first = torch.multinomial(_probs(scores), 1)[:, 0] if do_sample else scores.argmax(-1)
@@ -520,7 +535,7 @@ def dspark_decode(
         cache.crop(-(W - used))
         cache_mask = torch.cat([cache_mask, kept[:, :used].long()], dim=1)
         features = target_features(draft, out.hidden_states)[:, :used]
-        context.extend(draft, features, block_positions[:, :used], kept[:, :used])
+        context.extend(features, block_positions[:, :used], kept[:, :used])
 
         if compact and any(finished):
             keep = [r for r in range(R) if not finished[r]]

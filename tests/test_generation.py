@@ -1,5 +1,7 @@
 """DSpark greedy decoding through generate(assistant_model=draft) equals plain greedy decoding, token for token."""
 
+import itertools
+
 import pytest
 import torch
 from conftest import tiny_target
@@ -255,6 +257,7 @@ def test_draft_context_is_extended_only_with_new_positions(monkeypatch):
     target = tiny_target("llama")
     ids = _prompt(12)
     draft = DSparkDraftModel.from_target(target, block_size=4)
+    draft.config.verify_mode = "fixed"  # every round drafts (no back-off), so every round projects
     generation.draft_seconds(draft, 1)  # the scheduler's one-off timing of a draft block, on a made-up context
     projected = []
     original = draft.context_key_values
@@ -267,7 +270,35 @@ def test_draft_context_is_extended_only_with_new_positions(monkeypatch):
     target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft)
     stats = draft.stats
     assert projected[0] == ids.shape[1]
-    assert projected[1:] == [a + 1 for a in stats.accepted[:-1]]
+    # a round's slots are projected by the next round's draft block; a last round with no room to draft (one token
+    # left) projects nothing, since no draft block follows
+    drafted = [i for i in range(1, stats.rounds) if stats.proposed[i] > 0]
+    assert drafted[: stats.rounds - 2] == list(range(1, stats.rounds - 1))
+    assert projected[1:] == [stats.accepted[i - 1] + 1 for i in drafted]
+
+
+def test_rounds_that_do_not_draft_queue_their_context_for_the_next_drafted_block(monkeypatch):
+    """Back-off rounds project nothing; the next drafted block projects every slot committed since, in one call."""
+    from hf_dspark.scheduler import SPSProfile
+
+    target = tiny_target("llama", dtype=torch.float64)
+    ids = _prompt(12)
+    draft = DSparkDraftModel.from_target(target, block_size=4).double()
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0)  # verifying is free: every drafted round verifies all
+    monkeypatch.setattr(generation, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
+    monkeypatch.setattr(generation, "drafting_pays", lambda *args: False)  # back off after every drafted round
+    projected = []
+    original = draft.context_key_values
+    monkeypatch.setattr(draft, "context_key_values", lambda f, p: projected.append(f.shape[1]) or original(f, p))
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)
+    assert out.tolist() == target.generate(ids, max_new_tokens=20, do_sample=False).tolist()
+    stats = draft.stats
+    drafted = [i for i, lengths in enumerate(stats.verify_rounds) if lengths[0] > 0]
+    assert drafted[:4] == [0, 2, 5, 10]  # back-off 1, 2, 4 plain rounds between drafted ones
+    expected = [ids.shape[1]] + [
+        sum(stats.accepted[j] + 1 for j in range(a, b)) for a, b in itertools.pairwise(drafted)
+    ]  # fmt: skip
+    assert projected == expected
 
 
 def test_head_switched_off_proposes_from_the_backbone_alone():
@@ -281,7 +312,8 @@ def test_head_switched_off_proposes_from_the_backbone_alone():
         draft.sequential_head.markov_w2.weight.normal_(0, 3.0)
     ctx = DraftContext.empty(draft, 1, torch.device("cpu"))
     feats = torch.randn(1, 5, len(draft.config.target_layer_ids) * 32)
-    ctx.extend(draft, feats, torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool))
+    ctx.extend(feats, torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool))
+    ctx.flush(draft)
     history = [torch.tensor([7, 8, 9, 10, 11, 12])]
 
     def propose():
@@ -374,7 +406,7 @@ def test_greedy_drafting_inside_the_draft_vocabulary_equals_the_full_path(head, 
     R = 3
     ctx = DraftContext.empty(draft, R, torch.device("cpu"))
     feats = torch.randn(R, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64)
-    ctx.extend(draft, feats, torch.arange(6).expand(R, 6), torch.ones(R, 6, dtype=torch.bool))
+    ctx.extend(feats, torch.arange(6).expand(R, 6), torch.ones(R, 6, dtype=torch.bool))
     history = [torch.tensor([7, 8, 9, 10, 11, 12, 13]), torch.tensor([1, 2, 3, 4, 5, 6, 40]), torch.arange(20, 27)]
     args = (draft, ctx, history, torch.full((R,), 6), 4)
     subset = draft_block(*args, LogitsProcessorList(), False)
