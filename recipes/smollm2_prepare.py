@@ -2,7 +2,7 @@
 
 python recipes/smollm2_prepare.py [--out ~/.cache/hf_dspark/smollm2/train.jsonl] [--threads 1] [--dtype float32]
 
-``--dtype bfloat16`` answers about twice as fast on a CPU with native bf16 units; the answers are sampled
+``--dtype bfloat16`` answers faster on a CPU with native bf16 units (see embedded.fast_dtype); the answers are sampled
 (T = 0.7), and the two dtypes' distributions differ only by rounding, so a file may mix them.
 """
 
