@@ -16,6 +16,7 @@ at the end of a round are cropped, so a single row never carries holes.
 from __future__ import annotations
 
 import functools
+import inspect
 import statistics
 import time
 import weakref
@@ -117,7 +118,11 @@ def target_features(draft: DSparkDraftModel, hidden_states: tuple[torch.Tensor, 
     return torch.cat([hidden_states[layer + 1] for layer in draft.config.target_layer_ids], dim=-1)
 
 
-def _target_forward(target, ids, positions, attention_mask, cache):
+def _target_forward(target, ids, positions, attention_mask, cache, last_logits_only: bool = False):
+    """One target forward that extends ``cache`` and returns every layer's hidden states. ``last_logits_only``
+    (the prefill) asks the model for the last position's logits alone: the prompt's other positions need only
+    hidden states, and their LM head would cost more than the rest of a long batched prefill on a CPU."""
+    extra = {"logits_to_keep": 1} if last_logits_only and _takes_logits_to_keep(type(target)) else {}
     return target(
         input_ids=ids,
         position_ids=positions,
@@ -125,7 +130,13 @@ def _target_forward(target, ids, positions, attention_mask, cache):
         cache=cache,
         use_cache=True,
         output_hidden_states=True,
+        **extra,
     )
+
+
+@functools.cache
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def _head_and_confidence(draft, logits, h_k, prev, state, conf_temperature, rows=None):
@@ -429,7 +440,7 @@ def dspark_decode(
     attention_mask = model_kwargs.get("attention_mask")
     cache_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     positions = (cache_mask.long().cumsum(-1) - 1).clamp_min(0)
-    out = _target_forward(target, input_ids, positions, attention_mask, cache)
+    out = _target_forward(target, input_ids, positions, attention_mask, cache, last_logits_only=True)
     context = DraftContext.empty(draft, R, device)
     context.extend(target_features(draft, out.hidden_states), positions, cache_mask.bool())
     raw = out.logits[:, -1]

@@ -459,3 +459,22 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
     # where it stopped early, it drafted exactly one slot past the longest verified prefix: the column that failed
     for (m, w), verified in zip(lazy, runs[True][1], strict=True):
         assert w == m or w == max(verified) + 1
+
+
+def test_prefill_computes_logits_for_the_last_prompt_position_only():
+    """The prompt's other positions feed the draft through hidden states; their LM head would be wasted work
+    (on a CPU, more than the rest of a long batched prefill)."""
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4)
+    draft.config.verify_mode = "fixed"
+    ids = _prompt(3, length=11)
+    shapes = []
+    handle = target.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.logits.shape)))
+    try:
+        out = target.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=draft)
+    finally:
+        handle.remove()
+    assert out.tolist() == target.generate(ids, max_new_tokens=8, do_sample=False).tolist()
+    vocab = target.config.vocab_size
+    assert shapes[0] == (1, 1, vocab)  # prefill: 11 prompt positions, one row of logits
+    assert all(s[1] == n + 1 for s, n in zip(shapes[1:], draft.stats.proposed, strict=True))  # verify: every slot
