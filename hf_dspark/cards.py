@@ -45,6 +45,11 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
     else:
         training_text = "No training record in this folder."
     c = config
+    report = load("calibration.json") or {}
+    fitted_on = {
+        "decode": f" (fitted on {report.get('blocks')} blocks of greedy DSpark decoding in {report.get('dtype')})",
+        "teacher-forced": f" (fitted on {report.get('blocks')} teacher-forced held-out blocks)",
+    }.get(report.get("source"), "")
     return Template(_template()).substitute(
         name=name or folder.name,
         target=target or c.target_model_type or "unknown",
@@ -58,7 +63,7 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
         head=c.head_type,
         rank=c.head_rank,
         confidence="a confidence head" if c.confidence_head else "no confidence head",
-        calibration="per-position temperatures " + str([round(t, 3) for t in c.sts_temperatures])
+        calibration="per-position temperatures " + str([round(t, 3) for t in c.sts_temperatures]) + fitted_on
         if c.sts_temperatures
         else "not calibrated",
         mask="learned mask embedding" if c.mask_token_id is None else f"token id {c.mask_token_id}",

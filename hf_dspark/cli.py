@@ -85,8 +85,11 @@ def cmd_calibrate(args) -> None:
     from .training.data import load_dataset
 
     target, _ = load_target(args.target, args.dtype, with_tokenizer=False)
-    report = calibrate_draft(target, args.draft, load_dataset(args.data), blocks=args.blocks, seed=args.seed)
-    print(json.dumps({k: report[k] for k in ("before", "after", "temperatures", "blocks")}, indent=2))
+    report = calibrate_draft(
+        target, args.draft, load_dataset(args.data), blocks=args.blocks, seed=args.seed, source=args.source,
+        max_new_tokens=args.max_new_tokens,
+    )  # fmt: skip
+    print(json.dumps({k: report[k] for k in ("before", "after", "temperatures", "blocks", "source")}, indent=2))
 
 
 def _write_results(out: Path, name: str, results: list[dict], table: str) -> None:
@@ -231,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="a draft folder (config.json + model.safetensors)")
     p.add_argument("--data", required=True, help="held-out regenerated rows (JSONL from `prepare`)")
     p.add_argument("--blocks", type=int, default=2000)
+    p.add_argument(
+        "--source", default="teacher-forced", choices=["teacher-forced", "decode"],
+        help="teacher-forced blocks inside the held-out answers, or greedy DSpark decoding of their prompts in"
+        " --dtype with the draft as deployed (what the scheduler sees at run time)",
+    )  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt, with --source decode")
     p.set_defaults(func=cmd_calibrate)
     p = sub.add_parser("eval", help="τ, per-position acceptance, verify rate and tokens/s on eval prompts")
     common(p)

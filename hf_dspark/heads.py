@@ -117,6 +117,9 @@ class ConfidenceHead(nn.Module):
 
     @staticmethod
     def calibrated(logit: torch.Tensor, temperature: float | torch.Tensor | None) -> torch.Tensor:
+        """σ(logit / T) [R] in float32 at least: in a bfloat16 draft, σ near 1 would round to exactly 1 (spacing
+        2⁻⁸), flattening the survival products the scheduler compares and losing the logit calibration reads back."""
+        logit = logit.float() if logit.dtype in (torch.bfloat16, torch.float16) else logit
         return torch.sigmoid(logit if temperature is None else logit / temperature)
 
 

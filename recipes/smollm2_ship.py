@@ -3,12 +3,15 @@
     python recipes/smollm2_ship.py [--run run3k-markov] [--checkpoint N] [--out DIR]
 
 1. Load the run's final draft (or its checkpoint N, or the newest checkpoint when the run has not finished).
-2. STS-calibrate it in float32 on the held-out rows (never trained on), writing calibration.json and
-   reliability.png.
-3. Restrict its proposals to the tokens of the training answers (a draft vocabulary: the draft's LM head then
+2. Restrict its proposals to the tokens of the training answers (a draft vocabulary: the draft's LM head then
    reads ~7k rows instead of 49k; decoding stays lossless), store it in bfloat16 (≤ 40 MB) with training.json
-   (command, data size, steps), then render the model card.
+   (command, data size, steps).
+3. STS-calibrate it as deployed (``--calibration decode``, the default: greedy DSpark decoding of the held-out
+   prompts, never trained on, with a bfloat16 target) or on teacher-forced held-out answers in float32
+   (``--calibration teacher-forced``), writing calibration.json and reliability.png; then render the model card.
    Run ``hf-dspark eval/bench --out <the same folder>`` afterwards and ``hf-dspark card`` again to add results.
+
+``--recalibrate`` redoes step 3 alone on the folder already shipped (same weights, new temperatures).
 """
 
 import argparse
@@ -21,13 +24,14 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
+from smollm2_prepare import COUNTS, DATA
 from smollm2_train import STATE, build_draft, is_held_out
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.cards import write_card
 from hf_dspark.embedded import DRAFT_DIR, load_target
 from hf_dspark.training.calibrate import calibrate_draft
-from hf_dspark.training.data import frequent_tokens, load_dataset
+from hf_dspark.training.data import encode_prompt, frequent_tokens, load_dataset, mix_prompts, read_prompts
 
 
 def load_run(target, run: Path, head: str, checkpoint: int | None) -> tuple[DSparkDraftModel, int]:
@@ -49,6 +53,25 @@ def load_run(target, run: Path, head: str, checkpoint: int | None) -> tuple[DSpa
     return draft, int(ckpts[-1].name.split("-")[1])
 
 
+def held_out_prompts(tokenizer) -> list[dict]:
+    """The recipe's held-out prompts (whether or not their answers were regenerated yet) as ``{"id", "prompt_ids"}``
+    rows, the input of decode calibration. ~2% of the mix: ids hashing to 0 mod 50."""
+    sources = {name: read_prompts(next(DATA.glob(name + ".json*"))) for name in COUNTS}
+    prompts = [p for p in mix_prompts(sources, COUNTS, seed=0) if is_held_out({"id": p.id})]
+    return [{"id": p.id, "prompt_ids": encode_prompt(tokenizer, p)} for p in prompts]
+
+
+def calibrate(folder: Path, how: str, blocks: int) -> None:
+    """Step 3: fit the folder's STS temperatures (in place) and print the report."""
+    target, tokenizer = load_target(torch.bfloat16 if how == "decode" else torch.float32)
+    if how == "decode":
+        rows = [r for r in held_out_prompts(tokenizer) if len(r["prompt_ids"]) <= 512]
+    else:
+        rows = [r for r in load_dataset(STATE / "train.jsonl") if is_held_out(r)]
+    report = calibrate_draft(target, folder, rows, blocks=blocks, source=how)
+    print(json.dumps({k: report[k] for k in ("before", "after", "temperatures", "blocks", "source")}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", default="run3k-markov")
@@ -56,10 +79,16 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=int, default=None)
     ap.add_argument("--out", type=Path, default=DRAFT_DIR)
     ap.add_argument("--blocks", type=int, default=2000)
+    ap.add_argument("--calibration", default="decode", choices=["decode", "teacher-forced"])
+    ap.add_argument("--recalibrate", action="store_true", help="only refit the temperatures of --out")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="most frequent answer tokens kept (0: all)")
     ap.add_argument("--threads", type=int, default=1, help="threads the run trained with (for training.json)")
     ap.add_argument("--name", default="hf-dspark/smollm2-135m-instruct-dspark", help="repository name in the card")
     args = ap.parse_args()
+    if args.recalibrate:
+        calibrate(args.out, args.calibration, args.blocks)
+        write_card(args.out, name=args.name, target="HuggingFaceTB/SmolLM2-135M-Instruct")
+        return
     run = STATE / args.run
     target, tokenizer = load_target()
     draft, step = load_run(target, run, args.head, args.checkpoint)
@@ -67,20 +96,12 @@ def main() -> None:
     held_out = [r for r in rows if is_held_out(r)]
     train_rows = [r for r in rows if not is_held_out(r)]
 
-    stage = STATE / f"ship-{args.run}"
-    shutil.rmtree(stage, ignore_errors=True)
-    draft.save_pretrained(stage)
-    report = calibrate_draft(target, stage, held_out, blocks=args.blocks)
-    print(json.dumps({k: report[k] for k in ("before", "after", "temperatures")}, indent=1))
-
-    calibrated = DSparkDraftModel.from_pretrained(stage).to(torch.bfloat16)
+    shipped = draft.to(torch.bfloat16)
     if args.draft_vocab:
-        calibrated.set_draft_vocab(frequent_tokens(train_rows, args.draft_vocab, always=tokenizer.all_special_ids))
+        shipped.set_draft_vocab(frequent_tokens(train_rows, args.draft_vocab, always=tokenizer.all_special_ids))
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    calibrated.save_pretrained(tmp)
-    for name in ("calibration.json", "reliability.png"):
-        shutil.copy(stage / name, tmp / name)
+    shipped.save_pretrained(tmp)
     cfg = json.loads((run / "log.jsonl").read_text().splitlines()[-1])
     training = {
         "command": f"python recipes/smollm2_prepare.py && python recipes/smollm2_train.py --head {args.head}"
@@ -92,11 +113,12 @@ def main() -> None:
         " 1.0 confidence BCE)",
         "hardware": f"CPU, {args.threads} thread(s), {cfg.get('s_per_step', '?')} s/step",
         "stored as": "bfloat16 safetensors (attached to a float32 target it runs in float32)",
-        "draft vocabulary": f"{calibrated.config.draft_vocab_size} tokens (the training answers' tokens + special)"
+        "draft vocabulary": f"{shipped.config.draft_vocab_size} tokens (the training answers' tokens + special)"
         if args.draft_vocab
         else "the whole vocabulary",
     }
     (tmp / "training.json").write_text(json.dumps(training, indent=2))
+    calibrate(tmp, args.calibration, args.blocks)
     if args.out.exists():
         shutil.rmtree(args.out)
     tmp.rename(args.out)

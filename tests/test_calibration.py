@@ -70,3 +70,15 @@ def test_reliability_bins_by_hand():
     assert [y for _, y, _ in got] == pytest.approx([0.5, 2 / 3])
     # empty bins are left out
     assert len(reliability_bins(torch.tensor([0.01, 0.02]), torch.tensor([0.0, 1.0]), bins=10)) == 1
+
+
+def test_confidence_is_float32_in_a_bfloat16_draft():
+    """σ(7) = 0.99909 rounds to exactly 1.0 in bfloat16; the scheduler and decode calibration need it below 1."""
+    from hf_dspark.heads import ConfidenceHead
+
+    c = ConfidenceHead.calibrated(torch.tensor([7.0, -3.0], dtype=torch.bfloat16), None)
+    assert c.dtype == torch.float32
+    assert torch.sigmoid(torch.tensor(7.0, dtype=torch.bfloat16)).item() == 1.0
+    torch.testing.assert_close(c, torch.sigmoid(torch.tensor([7.0, -3.0])))
+    c2 = ConfidenceHead.calibrated(torch.tensor([7.0], dtype=torch.bfloat16), 2.0)
+    torch.testing.assert_close(c2, torch.sigmoid(torch.tensor([3.5])))

@@ -478,3 +478,35 @@ def test_prefill_computes_logits_for_the_last_prompt_position_only():
     vocab = target.config.vocab_size
     assert shapes[0] == (1, 1, vocab)  # prefill: 11 prompt positions, one row of logits
     assert all(s[1] == n + 1 for s, n in zip(shapes[1:], draft.stats.proposed, strict=True))  # verify: every slot
+
+
+def test_decode_calibration_data_follows_the_rounds():
+    """collect_decode_confidence: one row per full verified block, acceptance 1 before the round's first rejection
+    and 0 from it on, logits equal to the confidence head's raw logits; the draft's verify mode is restored."""
+    from hf_dspark.training.calibrate import collect_decode_confidence
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="none")
+    ids = _prompt(1)
+    ref = target.generate(ids, max_new_tokens=21, do_sample=False)
+    Oracle(draft, ref, wrong_slots=(2,))
+    draft.config.verify_mode = "scheduled"
+    raw = []
+    original = draft.confidence.logit
+    draft.confidence.logit = lambda h, f: raw.append(original(h, f)) or raw[-1]
+    logits, accepted = collect_decode_confidence(target, draft, [ids[0].tolist()], max_new_tokens=21, batch_size=1)
+    assert draft.config.verify_mode == "scheduled"
+    full = [i for i, p in enumerate(draft.stats.proposed) if p == 4]
+    assert len(full) >= 5 and logits.shape == accepted.shape == (len(full), 4)
+    assert accepted.tolist() == [[1.0, 1.0, 0.0, 0.0]] * len(full)  # the oracle is wrong at slot 2 only
+    slots = torch.stack(raw[: 4 * len(full)]).view(-1, 4)  # drafted slots in order; full blocks come first
+    torch.testing.assert_close(logits, slots[: len(full)].double(), rtol=1e-4, atol=1e-4)
+
+
+def test_decode_calibration_refuses_a_draft_without_confidence_head():
+    from hf_dspark.training.calibrate import collect_decode_confidence
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, confidence_head=False)
+    with pytest.raises(ValueError, match="no confidence head"):
+        collect_decode_confidence(target, draft, [[5, 6, 7]])

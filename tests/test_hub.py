@@ -46,10 +46,11 @@ def test_card_renders_config_and_results(tmp_path):
         "machine": "x86_64 2 cores (Linux)", "threads": 2, "device": "cpu", "dtype": "bfloat16",
     }]))  # fmt: skip
     (tmp_path / "training.json").write_text(json.dumps({"data": "700 prompts", "steps": 1000}))
+    (tmp_path / "calibration.json").write_text(json.dumps({"source": "decode", "blocks": 4000, "dtype": "bfloat16"}))
     card = render_card(tmp_path, name="org/draft", target="org/target")
     assert card.startswith("---\nlibrary_name: hf-dspark\nlicense: mit\nbase_model: org/target\n")
     assert "| block size γ | 4 |" in card and "| sequential head | markov (rank 8) |" in card
-    assert "per-position temperatures [1.5, 1.2, 1.1, 1.0]" in card
+    assert "per-position temperatures [1.5, 1.2, 1.1, 1.0] (fitted on 4000 blocks of greedy DSpark decoding in" in card
     assert "| draft vocabulary | 3 tokens (proposals restricted to them;" in card
     assert "| gsm8k | 0.0 | 30 | 3.21 | 0.50 | 25.0 | 0.80 0.70 - - |" in card
     assert "Measured 2026-11-29 on x86_64 2 cores (Linux), 2 threads, cpu, bfloat16." in card

@@ -234,6 +234,16 @@ def test_cli_train_then_calibrate(setup, tmp_path):
     report = json.loads((out / "final" / "calibration.json").read_text())
     assert report["blocks"] == 40 and len(report["after"]["ece"]) == 4
     assert (out / "final" / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # decode calibration changes the temperatures and nothing else in the config
+    main(["calibrate", "--target", str(tmp_path / "target"), "--draft", str(out / "final"), "--data", str(data),
+          "--blocks", "30", "--source", "decode", "--max-new-tokens", "24"])  # fmt: skip
+    decoded = json.loads((out / "final" / "config.json").read_text())
+    assert {k: v for k, v in decoded.items() if k != "sts_temperatures"} == {
+        k: v for k, v in cfg.items() if k != "sts_temperatures"
+    }
+    assert len(decoded["sts_temperatures"]) == 4 and all(t > 0 for t in decoded["sts_temperatures"])
+    report = json.loads((out / "final" / "calibration.json").read_text())
+    assert report["source"] == "decode" and report["blocks"] == 30 and report["max_new_tokens"] == 24
     # the calibrated draft still loads and decodes losslessly
     draft = DSparkDraftModel.from_pretrained(out / "final")
     ids = torch.tensor([[5, 6, 7, 8]])

@@ -1,4 +1,12 @@
-"""Collect confidence-head data on held-out sequences and store STS temperatures in a draft's config."""
+"""Collect confidence-head data on held-out sequences and store STS temperatures in a draft's config.
+
+Two sources of (confidence logit, acceptance) pairs:
+- ``teacher-forced``: blocks anchored inside held-out answers, acceptance = draft argmax equals the target's given
+  the true previous tokens (cheap; runs in whatever dtype the draft is loaded in);
+- ``decode``: real greedy DSpark decoding of held-out prompts with every block verified in full, in the dtype and
+  with the draft vocabulary the draft is deployed with. This is what the scheduler sees at run time: the draft's
+  own earlier tokens in the context, bfloat16 rounding, and the restricted vocabulary all shift acceptance.
+"""
 
 from __future__ import annotations
 
@@ -37,20 +45,100 @@ def collect_confidence_data(target, draft: DSparkDraftModel, rows: list[dict], b
     return torch.cat(logits)[:blocks], torch.cat(accepted)[:blocks]
 
 
-def calibrate_draft(target, draft_dir: str | Path, rows: list[dict], blocks: int = 2000, seed: int = 0) -> dict:
-    """Fit STS temperatures on ``rows``, write them into ``draft_dir``'s config (atomically) and return the report
-    (also written to ``draft_dir/calibration.json``, with the reliability diagram ``draft_dir/reliability.png``)."""
+@torch.no_grad()
+def collect_decode_confidence(
+    target, draft: DSparkDraftModel, prompts: list[list[int]], max_new_tokens: int = 128, batch_size: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy DSpark decoding of ``prompts`` (token ids, chat template applied) with ``verify_mode="fixed"``:
+    -> (confidence logits [N, γ], acceptance [N, γ]), one row per verified full block.
+
+    In a round that accepted n of γ tokens, acceptance is 1 at slots < n and 0 from slot n on (slots after the first
+    rejection are never judged; STS only reads "first k all accepted", which the round decides). Blocks cut short
+    by the length limit are dropped. Uses the draft's current temperatures, so call it with them cleared.
+    """
+    if draft.confidence is None:
+        raise ValueError("this draft has no confidence head (confidence_head=False): nothing to calibrate")
+    if not prompts:
+        raise ValueError("no prompts to decode")
+    gamma = draft.config.num_draft_tokens
+    mode, draft.config.verify_mode = draft.config.verify_mode, "fixed"
+    pad = target.generation_config.pad_token_id
+    pad = pad if pad is not None else 0
+    device = next(target.parameters()).device
+    logits, accepted = [], []
+    try:
+        for i in range(0, len(prompts), batch_size):
+            batch = prompts[i : i + batch_size]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+            target.generate(
+                input_ids=ids, attention_mask=mask, assistant_model=draft, max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=pad,
+            )  # fmt: skip
+            stats = draft.stats
+            for ell, n, conf in zip(stats.proposed, stats.accepted, stats.confidences, strict=True):
+                if ell == gamma:
+                    c = torch.tensor(conf, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+                    logits.append(c.log() - (-c).log1p())
+                    accepted.append((torch.arange(gamma) < n).double())
+    finally:
+        draft.config.verify_mode = mode
+    if not logits:
+        raise ValueError(f"no full block of {gamma} was verified: use longer generations (max_new_tokens)")
+    return torch.stack(logits), torch.stack(accepted)
+
+
+def calibrate_draft(
+    target,
+    draft_dir: str | Path,
+    rows: list[dict],
+    blocks: int = 2000,
+    seed: int = 0,
+    source: str = "teacher-forced",
+    max_new_tokens: int = 128,
+) -> dict:
+    """Fit STS temperatures on ``rows`` (held-out prepared rows; ``decode`` reads only their ``prompt_ids``), write
+    them into ``draft_dir``'s config (atomically) and return the report (also written to
+    ``draft_dir/calibration.json``, with the reliability diagram ``draft_dir/reliability.png``).
+
+    ``source="decode"`` runs the draft in the target's dtype, as deployed, and decodes ``rows``' prompts greedily, up to
+    ``max_new_tokens`` each, until ``blocks`` full blocks are verified (see :func:`collect_decode_confidence`).
+    """
+    if source not in ("teacher-forced", "decode"):
+        raise ValueError(f"source must be 'teacher-forced' or 'decode', got {source!r}")
     draft_dir = Path(draft_dir)
-    draft = DSparkDraftModel.from_pretrained(draft_dir).attach(target)
+    draft = DSparkDraftModel.from_pretrained(draft_dir).attach(target)  # attach casts it to the target's dtype
     draft.config.sts_temperatures = None
-    logits, accepted = collect_confidence_data(target, draft, rows, blocks, seed)
+    if source == "decode":
+        logits, accepted = _decode_until(target, draft, [r["prompt_ids"] for r in rows], blocks, max_new_tokens)
+    else:
+        logits, accepted = collect_confidence_data(target, draft, rows, blocks, seed)
     temps = sequential_temperature_scaling(logits, accepted)
     report = calibration_report(logits, accepted, temps)
     report["blocks"] = int(logits.shape[0])
-    draft.config.sts_temperatures = temps
+    report["source"] = source
+    if source == "decode":
+        report.update(dtype=str(target.dtype).removeprefix("torch."), max_new_tokens=max_new_tokens)
+    # only the temperatures change on disk (the loaded config may carry the dtype it was loaded in)
+    config = json.loads((draft_dir / "config.json").read_text())
+    config["sts_temperatures"] = temps
     tmp = draft_dir / "config.json.tmp"
-    tmp.write_text(draft.config.to_json_string())
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tmp.replace(draft_dir / "config.json")
     (draft_dir / "calibration.json").write_text(json.dumps(report, indent=2))
     reliability_plot(logits, accepted, temps, draft_dir / "reliability.png")
     return report
+
+
+def _decode_until(target, draft, prompts: list[list[int]], blocks: int, max_new_tokens: int, batch_size: int = 8):
+    """:func:`collect_decode_confidence` over successive batches of ``prompts`` until ``blocks`` rows are in."""
+    logits, accepted, total = [], [], 0
+    for i in range(0, len(prompts), batch_size):
+        lg, acc = collect_decode_confidence(target, draft, prompts[i : i + batch_size], max_new_tokens, batch_size)
+        logits.append(lg)
+        accepted.append(acc)
+        total += lg.shape[0]
+        if total >= blocks:
+            break
+    return torch.cat(logits)[:blocks], torch.cat(accepted)[:blocks]

@@ -96,6 +96,14 @@ def load_dataset(path: str | Path) -> list[dict]:
     return rows
 
 
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """The prompt's token ids with the chat template and the assistant turn's opening applied."""
+    ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, return_tensors=None)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def _batches(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -135,11 +143,9 @@ def regenerate(
     for p in prompts:
         if p.id in done:
             continue
-        ids = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, return_tensors=None)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
+        ids = encode_prompt(tokenizer, p)
         if len(ids) <= max_prompt_tokens:
-            todo.append((p, list(ids)))
+            todo.append((p, ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     bar = tqdm(total=len(todo), disable=not progress, desc="regenerate", unit="prompt")
