@@ -224,6 +224,12 @@ def test_throughput_table_ratios_by_hand():
     # scheduled / best fixed = 54 / 45, scheduled / oracle = 54 / 60
     assert "| 4 | 8 | 50.0 | 40.0 | 45.0 | 54.0 | 60.0 | 1.50 | 1.20 | 0.90 |" in table
     assert table.startswith("Measured 2026-11-29, bfloat16, 2 threads, 64 new tokens per prompt, γ = 8")
+    # with per-pass rates recorded, the ratio cells add the lowest and highest single-pass ratio
+    row["scheduled"]["pass_tok_per_s"] = [50.0, 58.0]
+    row["fixed-4"]["pass_tok_per_s"] = [50.0, 40.0]  # the best fixed mode overall
+    row["oracle"]["pass_tok_per_s"] = [60.0, 60.0]
+    table = _throughput_benchmark().markdown(result)
+    assert "| 1.50 | 1.20 (1.00–1.45) | 0.90 (0.83–0.97) |" in table
 
 
 def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
