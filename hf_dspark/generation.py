@@ -473,8 +473,10 @@ def dspark_decode(
         skip = max(skip - 1, 0)
         stats.round_rows.append([batch_rows[r] for r in range(R) if not finished[r]])
         # the plan grows column by column as the draft's slots come; drafting stops at the first column it closes on
-        planner = column_plan(mode, draft.config.verify_layout, caps, planning, draft.config.confidence_threshold)
-        early = STOP_DRAFTING_EARLY and planner is not None
+        planner = None
+        if STOP_DRAFTING_EARLY:
+            planner = column_plan(mode, draft.config.verify_layout, caps, planning, draft.config.confidence_threshold)
+        early = planner is not None
         proposal = draft_block(
             draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample,
             enough=(lambda column, planner=planner: not planner.admit(column)) if early else None,

@@ -54,14 +54,15 @@ def collect_decode_confidence(
 
     In a round that accepted n of γ tokens, acceptance is 1 at slots < n and 0 from slot n on (slots after the first
     rejection are never judged; STS only reads "first k all accepted", which the round decides). Blocks cut short
-    by the length limit are dropped. Uses the draft's current temperatures, so call it with them cleared.
+    by the length limit are dropped. The logits are the head's own (any STS temperatures are set aside meanwhile).
     """
     if draft.confidence is None:
         raise ValueError("this draft has no confidence head (confidence_head=False): nothing to calibrate")
     if not prompts:
         raise ValueError("no prompts to decode")
     gamma = draft.config.num_draft_tokens
-    mode, draft.config.verify_mode = draft.config.verify_mode, "fixed"
+    saved = draft.config.verify_mode, draft.config.sts_temperatures
+    draft.config.verify_mode, draft.config.sts_temperatures = "fixed", None
     pad = target.generation_config.pad_token_id
     pad = pad if pad is not None else 0
     device = next(target.parameters()).device
@@ -83,7 +84,7 @@ def collect_decode_confidence(
                     logits.append(c.log() - (-c).log1p())
                     accepted.append((torch.arange(gamma) < n).double())
     finally:
-        draft.config.verify_mode = mode
+        draft.config.verify_mode, draft.config.sts_temperatures = saved
     if not logits:
         raise ValueError(f"no full block of {gamma} was verified: use longer generations (max_new_tokens)")
     return torch.stack(logits), torch.stack(accepted)
