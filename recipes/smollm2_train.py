@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data", type=Path, default=STATE / "train.jsonl")
     ap.add_argument("--run", default=None, help="run folder name under the state dir (default run-<head>)")
+    ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
+                    help="bf16 autocast (master weights stay float32)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [r for r in load_dataset(args.data) if not is_held_out(r)]
@@ -58,6 +60,7 @@ def main() -> None:
         save_every=100,
         log_every=20,
         loss_weights=LossWeights(ce=1.0, tv=0.1, conf=1.0),
+        mixed_precision=args.mixed_precision,
     )
     log = out / "log.jsonl"
     out.mkdir(parents=True, exist_ok=True)
