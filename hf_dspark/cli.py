@@ -82,11 +82,20 @@ def cmd_train(args) -> None:
 
 def cmd_calibrate(args) -> None:
     from .training.calibrate import calibrate_draft
-    from .training.data import load_dataset
+    from .training.data import encode_prompt, load_dataset, read_prompts
 
-    target, _ = load_target(args.target, args.dtype, with_tokenizer=False)
+    if (args.data is None) == (args.prompts is None):
+        raise SystemExit("calibrate needs exactly one of --data (prepared rows) and --prompts (prompt files)")
+    if args.prompts is not None and args.source != "decode":
+        raise SystemExit("--prompts has no answers to teacher-force: use it with --source decode, or pass --data")
+    target, tokenizer = load_target(args.target, args.dtype, with_tokenizer=args.prompts is not None)
+    if args.prompts is not None:
+        prompts = [p for path in args.prompts for p in read_prompts(path)[: args.limit]]
+        rows = [{"id": p.id, "prompt_ids": encode_prompt(tokenizer, p)} for p in prompts]
+    else:
+        rows = load_dataset(args.data)[: args.limit]
     report = calibrate_draft(
-        target, args.draft, load_dataset(args.data), blocks=args.blocks, seed=args.seed, source=args.source,
+        target, args.draft, rows, blocks=args.blocks, seed=args.seed, source=args.source,
         max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     print(json.dumps({k: report[k] for k in ("before", "after", "temperatures", "blocks", "source")}, indent=2))
@@ -232,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="STS: fit per-position temperatures, store them in the draft's config")
     common(p)
     p.add_argument("--draft", required=True, help="a draft folder (config.json + model.safetensors)")
-    p.add_argument("--data", required=True, help="held-out regenerated rows (JSONL from `prepare`)")
+    p.add_argument("--data", help="held-out regenerated rows (JSONL from `prepare`)")
+    p.add_argument("--prompts", nargs="+", help="or prompt files, as `prepare` reads them (--source decode only)")
+    p.add_argument("--limit", type=int, default=None, help="rows, or prompts per file")
     p.add_argument("--blocks", type=int, default=2000)
     p.add_argument(
         "--source", default="teacher-forced", choices=["teacher-forced", "decode"],

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_rows, tiny_target
+from conftest import char_tokenizer, tiny_rows, tiny_target
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.training.data import load_dataset, read_prompts
@@ -303,3 +303,32 @@ def test_training_forward_matches_the_decoding_forward(setup, head):
     assert pred.logits.argmax(-1)[0, 0].tolist() == proposal.tokens[0].tolist()
     # and the confidence the scheduler sees is the one the confidence loss trains
     torch.testing.assert_close(torch.sigmoid(pred.confidence_logits[0, 0]).double(), proposal.confidences[0])
+
+
+def test_cli_calibrate_from_prompt_files(setup, tmp_path):
+    """`calibrate --prompts FILE --source decode`: prompts as `prepare` reads them, chat template applied; the
+    options that cannot work together are refused by name."""
+    import json
+
+    from hf_dspark.cli import main
+    from hf_dspark.training.calibrate import calibrate_draft
+
+    target, _ = setup
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.save_pretrained(tmp_path / "draft")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"question {i}: what is {i} + {i}?"]}) + "\n" for i in range(5)))
+    base = ["calibrate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
+    main([*base, "--prompts", str(prompts), "--limit", "3", "--source", "decode", "--max-new-tokens", "20",
+          "--blocks", "15"])  # fmt: skip
+    report = json.loads((tmp_path / "draft" / "calibration.json").read_text())
+    assert report["source"] == "decode" and report["blocks"] == 15
+    assert len(json.loads((tmp_path / "draft" / "config.json").read_text())["sts_temperatures"]) == 4
+    with pytest.raises(SystemExit, match="exactly one of --data"):
+        main([*base, "--source", "decode"])
+    with pytest.raises(SystemExit, match="no answers to teacher-force"):
+        main([*base, "--prompts", str(prompts)])
+    with pytest.raises(ValueError, match="2 of 2 have none"):
+        calibrate_draft(target, tmp_path / "draft", [{"id": "a"}, {"id": "b"}], source="decode")

@@ -112,6 +112,9 @@ def calibrate_draft(
     draft = DSparkDraftModel.from_pretrained(draft_dir).attach(target)  # attach casts it to the target's dtype
     draft.config.sts_temperatures = None
     if source == "decode":
+        missing = sum("prompt_ids" not in r for r in rows)
+        if missing or not rows:
+            raise ValueError(f"decode calibration needs rows with prompt_ids; {missing} of {len(rows)} have none")
         logits, accepted = _decode_until(target, draft, [r["prompt_ids"] for r in rows], blocks, max_new_tokens)
     else:
         logits, accepted = collect_confidence_data(target, draft, rows, blocks, seed)
