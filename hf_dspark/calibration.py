@@ -70,8 +70,9 @@ def sequential_temperature_scaling(
 
 
 def calibration_report(logits: torch.Tensor, accepted: torch.Tensor, temperatures: list[float] | None) -> dict:
-    """Per-position ECE of the prefix survival and conditional ROC-AUC of c_k (among blocks whose first k-1
-    tokens survived), before (T = 1) and after (``temperatures``)."""
+    """Per-position ECE of the prefix survival, its mean prediction (``predicted_survival``: mean a_k, what the
+    scheduler expects) and conditional ROC-AUC of c_k (among blocks whose first k-1 tokens survived), before (T = 1)
+    and after (``temperatures``); ``observed_survival``: the fraction of blocks whose first k tokens all survived."""
     outcome = accepted.double().cumprod(-1)
     reached = torch.cat([torch.ones_like(outcome[:, :1]), outcome[:, :-1]], dim=1).bool()
     report = {}
@@ -79,7 +80,9 @@ def calibration_report(logits: torch.Tensor, accepted: torch.Tensor, temperature
         a = survival(logits.double(), temps)
         eces = [ece(a[:, k], outcome[:, k]) for k in range(a.shape[1])]
         aucs = [roc_auc(logits[reached[:, k], k], accepted[reached[:, k], k]) for k in range(a.shape[1])]
-        report[name] = {"ece": eces, "mean_ece": sum(eces) / len(eces), "roc_auc": aucs}
+        report[name] = {"ece": eces, "mean_ece": sum(eces) / len(eces), "roc_auc": aucs,
+                        "predicted_survival": a.mean(0).tolist()}  # fmt: skip
+    report["observed_survival"] = outcome.mean(0).tolist()
     report["temperatures"] = temperatures
     return report
 

@@ -98,7 +98,7 @@ def cmd_calibrate(args) -> None:
         target, args.draft, rows, blocks=args.blocks, seed=args.seed, source=args.source,
         max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
-    print(json.dumps({k: report[k] for k in ("before", "after", "temperatures", "blocks", "source")}, indent=2))
+    print(json.dumps(report, indent=2))
 
 
 def _write_results(out: Path, name: str, results: list[dict], table: str) -> None:

@@ -69,7 +69,7 @@ def calibrate(folder: Path, how: str, blocks: int) -> None:
     else:
         rows = [r for r in load_dataset(STATE / "train.jsonl") if is_held_out(r)]
     report = calibrate_draft(target, folder, rows, blocks=blocks, source=how)
-    print(json.dumps({k: report[k] for k in ("before", "after", "temperatures", "blocks", "source")}, indent=1))
+    print(json.dumps(report, indent=1))
 
 
 def main() -> None:

@@ -1,5 +1,7 @@
 """STS calibration: lowers ECE on over-confident scores, keeps the ranking; ECE and AUC are right by hand."""
 
+import math
+
 import pytest
 import torch
 
@@ -82,3 +84,17 @@ def test_confidence_is_float32_in_a_bfloat16_draft():
     torch.testing.assert_close(c, torch.sigmoid(torch.tensor([7.0, -3.0])))
     c2 = ConfidenceHead.calibrated(torch.tensor([7.0], dtype=torch.bfloat16), 2.0)
     torch.testing.assert_close(c2, torch.sigmoid(torch.tensor([3.5])))
+
+
+def test_report_survival_by_hand():
+    """Two blocks of γ = 2: logits 0 (c = ½) and ln 3 (c = ¾); block 1 accepts both, block 2 rejects slot 1."""
+    ln3 = math.log(3.0)
+    logits = torch.tensor([[0.0, ln3], [ln3, 0.0]])
+    accepted = torch.tensor([[1.0, 1.0], [0.0, 1.0]])  # slot 2 of block 2 was never judged; survival ignores it
+    report = calibration_report(logits, accepted, [1.0, 1.0])
+    assert report["observed_survival"] == pytest.approx([0.5, 0.5])
+    # a_1 = mean(½, ¾); a_2 = mean(½·¾, ¾·½)
+    assert report["before"]["predicted_survival"] == pytest.approx([0.625, 0.375])
+    assert report["after"]["predicted_survival"] == pytest.approx([0.625, 0.375])
+    halved = calibration_report(logits, accepted, [1.0, 1e9])  # T → ∞ pushes c_2 to ½
+    assert halved["after"]["predicted_survival"] == pytest.approx([0.625, 0.3125])
