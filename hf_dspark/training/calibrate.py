@@ -17,6 +17,7 @@ import torch
 
 from ..calibration import calibration_report, reliability_plot, sequential_temperature_scaling
 from ..modeling_dspark import DSparkDraftModel
+from .data import left_pad
 from .features import target_outputs
 from .losses import block_predictions
 from .trainer import TrainConfig, make_batch
@@ -47,14 +48,20 @@ def collect_confidence_data(target, draft: DSparkDraftModel, rows: list[dict], b
 
 @torch.no_grad()
 def collect_decode_confidence(
-    target, draft: DSparkDraftModel, prompts: list[list[int]], max_new_tokens: int = 128, batch_size: int = 8
+    target,
+    draft: DSparkDraftModel,
+    prompts: list[list[int]],
+    max_new_tokens: int = 128,
+    batch_size: int = 8,
+    blocks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy DSpark decoding of ``prompts`` (token ids, chat template applied) with ``verify_mode="fixed"``:
     -> (confidence logits [N, γ], acceptance [N, γ]), one row per verified full block.
 
     In a round that accepted n of γ tokens, acceptance is 1 at slots < n and 0 from slot n on (slots after the first
     rejection are never judged; STS only reads "first k all accepted", which the round decides). Blocks cut short
-    by the length limit are dropped. The logits are the head's own (any STS temperatures are set aside meanwhile).
+    by the length limit are dropped; with ``blocks``, decoding stops after the batch that brings in that many rows
+    (and returns the first ``blocks``). The logits are the head's own (any STS temperatures are set aside meanwhile).
     """
     if draft.confidence is None:
         raise ValueError("this draft has no confidence head (confidence_head=False): nothing to calibrate")
@@ -70,12 +77,10 @@ def collect_decode_confidence(
     try:
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i : i + batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+            ids, mask = left_pad(batch, pad)
             target.generate(
-                input_ids=ids, attention_mask=mask, assistant_model=draft, max_new_tokens=max_new_tokens,
-                do_sample=False, pad_token_id=pad,
+                input_ids=ids.to(device), attention_mask=mask.to(device), assistant_model=draft,
+                max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
             )  # fmt: skip
             stats = draft.stats
             for ell, n, conf in zip(stats.proposed, stats.accepted, stats.confidences, strict=True):
@@ -83,11 +88,13 @@ def collect_decode_confidence(
                     c = torch.tensor(conf, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
                     logits.append(c.log() - (-c).log1p())
                     accepted.append((torch.arange(gamma) < n).double())
+            if blocks is not None and len(logits) >= blocks:
+                break
     finally:
         draft.config.verify_mode, draft.config.sts_temperatures = saved
     if not logits:
         raise ValueError(f"no full block of {gamma} was verified: use longer generations (max_new_tokens)")
-    return torch.stack(logits), torch.stack(accepted)
+    return torch.stack(logits)[:blocks], torch.stack(accepted)[:blocks]
 
 
 def calibrate_draft(
@@ -115,7 +122,8 @@ def calibrate_draft(
         missing = sum("prompt_ids" not in r for r in rows)
         if missing or not rows:
             raise ValueError(f"decode calibration needs rows with prompt_ids; {missing} of {len(rows)} have none")
-        logits, accepted = _decode_until(target, draft, [r["prompt_ids"] for r in rows], blocks, max_new_tokens)
+        prompts = [r["prompt_ids"] for r in rows]
+        logits, accepted = collect_decode_confidence(target, draft, prompts, max_new_tokens, blocks=blocks)
     else:
         logits, accepted = collect_confidence_data(target, draft, rows, blocks, seed)
     temps = sequential_temperature_scaling(logits, accepted)
@@ -133,16 +141,3 @@ def calibrate_draft(
     (draft_dir / "calibration.json").write_text(json.dumps(report, indent=2))
     reliability_plot(logits, accepted, temps, draft_dir / "reliability.png")
     return report
-
-
-def _decode_until(target, draft, prompts: list[list[int]], blocks: int, max_new_tokens: int, batch_size: int = 8):
-    """:func:`collect_decode_confidence` over successive batches of ``prompts`` until ``blocks`` rows are in."""
-    logits, accepted, total = [], [], 0
-    for i in range(0, len(prompts), batch_size):
-        lg, acc = collect_decode_confidence(target, draft, prompts[i : i + batch_size], max_new_tokens, batch_size)
-        logits.append(lg)
-        accepted.append(acc)
-        total += lg.shape[0]
-        if total >= blocks:
-            break
-    return torch.cat(logits)[:blocks], torch.cat(accepted)[:blocks]

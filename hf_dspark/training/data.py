@@ -104,6 +104,14 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     return list(ids)
 
 
+def left_pad(batch: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> (input_ids [B, W], attention_mask [B, W]), left-padded with ``pad`` to the longest."""
+    width = max(len(ids) for ids in batch)
+    ids = torch.tensor([[pad] * (width - len(x)) + list(x) for x in batch])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
+    return ids, mask
+
+
 def _batches(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -153,9 +161,8 @@ def regenerate(
         for chunk in _batches(todo, batch_size * 4):
             chunk.sort(key=lambda t: len(t[1]))  # similar lengths per batch: less padding
             for batch in _batches(chunk, batch_size):
-                width = max(len(ids) for _, ids in batch)
-                input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch])
-                mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
+                input_ids, mask = left_pad([ids for _, ids in batch], pad)
+                width = input_ids.shape[1]
                 out = target.generate(
                     input_ids=input_ids,
                     attention_mask=mask,
