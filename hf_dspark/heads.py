@@ -9,7 +9,7 @@ which:
 (``rows=W2[subset]`` gives the bias over a vocabulary subset instead, [R, len(subset)].)
 
 ``feature`` is W1[x_{k-1}], the input the confidence head reads beside h_k. ``teacher_forced`` runs all γ steps
-at once from known previous tokens (training, calibration).
+at once from known previous tokens (training, calibration), with the same ``rows=``.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ class MarkovHead(nn.Module):
         code = self._mix(e, h)
         return (self.markov_w2(code) if rows is None else F.linear(code, rows)), e, state
 
-    def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor):
-        """prev [..., γ], h [..., γ, d] -> bias [..., γ, V], feature [..., γ, r]."""
+    def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor, rows: torch.Tensor | None = None):
+        """prev [..., γ], h [..., γ, d] -> bias [..., γ, V] (or [..., γ, len(rows)]), feature [..., γ, r]."""
         e = self.markov_w1(prev)
-        return self.markov_w2(self._mix(e, h)), e
+        code = self._mix(e, h)
+        return (self.markov_w2(code) if rows is None else F.linear(code, rows)), e
 
 
 class GatedMarkovHead(MarkovHead):
@@ -80,10 +81,10 @@ class RNNHead(nn.Module):
         code, e, state = self.code_step(prev, h, state)
         return (self.markov_w2(code) if rows is None else F.linear(code, rows)), e, state
 
-    def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor):
+    def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor, rows: torch.Tensor | None = None):
         state, biases, feats = None, [], []
         for k in range(prev.shape[-1]):
-            b, e, state = self.step(prev[..., k], h[..., k, :], state)
+            b, e, state = self.step(prev[..., k], h[..., k, :], state, rows)
             biases.append(b)
             feats.append(e)
         return torch.stack(biases, dim=-2), torch.stack(feats, dim=-2)

@@ -242,7 +242,8 @@ class DSparkDraftModel(PreTrainedModel):
         Only the draft's LM head changes: it reads ``len(token_ids)`` rows, and every other token gets logit -inf,
         so the draft never proposes it. Verification still uses the target's full distribution, so decoding stays
         lossless; what changes is speed (a smaller head) and how often a token outside the subset costs a
-        rejection. Training always uses the whole vocabulary. Returns ``self``.
+        rejection. Training uses the whole vocabulary unless given the same ids (``train(..., vocab=)``).
+        Returns ``self``.
         """
         if token_ids is None:
             self._buffers.pop("draft_vocab", None)

@@ -4,7 +4,8 @@
 
 1. Load the run's final draft (or its checkpoint N, or the newest checkpoint when the run has not finished).
 2. Restrict its proposals to the tokens of the training answers (a draft vocabulary: the draft's LM head then
-   reads ~7k rows instead of 49k; decoding stays lossless), store it in bfloat16 (≤ 40 MB) with training.json
+   reads ~8k rows instead of 49k; decoding stays lossless; a run trained over a draft vocabulary keeps its
+   <run>/draft_vocab.json), store it in bfloat16 (≤ 40 MB) with training.json
    (command, data size, steps).
 3. STS-calibrate it as deployed (``--calibration decode``, the default: greedy DSpark decoding of the held-out
    prompts, never trained on, with a bfloat16 target) or on teacher-forced held-out answers in float32
@@ -97,7 +98,10 @@ def main() -> None:
     train_rows = [r for r in rows if not is_held_out(r)]
 
     shipped = draft.to(torch.bfloat16)
-    if args.draft_vocab:
+    trained_vocab = run / "draft_vocab.json"  # a run trained over a draft vocabulary ships with exactly it
+    if trained_vocab.is_file():
+        shipped.set_draft_vocab(json.loads(trained_vocab.read_text()))
+    elif args.draft_vocab:
         shipped.set_draft_vocab(frequent_tokens(train_rows, args.draft_vocab, always=tokenizer.all_special_ids))
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -113,8 +117,9 @@ def main() -> None:
         " 1.0 confidence BCE)",
         "hardware": f"CPU, {args.threads} thread(s), {cfg.get('s_per_step', '?')} s/step",
         "stored as": "bfloat16 safetensors (attached to a float32 target it runs in float32)",
-        "draft vocabulary": f"{shipped.config.draft_vocab_size} tokens (the training answers' tokens + special)"
-        if args.draft_vocab
+        "draft vocabulary": f"{shipped.config.draft_vocab_size} tokens (the most frequent training-answer tokens +"
+        " special)" + (", trained over them" if trained_vocab.is_file() else "")
+        if shipped.config.draft_vocab_size
         else "the whole vocabulary",
     }
     (tmp / "training.json").write_text(json.dumps(training, indent=2))

@@ -7,7 +7,7 @@ from conftest import char_tokenizer, tiny_rows, tiny_target
 from hf_dspark import DSparkDraftModel
 from hf_dspark.training.data import load_dataset, read_prompts
 from hf_dspark.training.features import FeatureCache, target_outputs
-from hf_dspark.training.losses import DSparkTrainingModule, block_attention_mask
+from hf_dspark.training.losses import DSparkTrainingModule, block_attention_mask, block_predictions
 from hf_dspark.training.trainer import TrainConfig, make_batch, train
 
 
@@ -70,6 +70,56 @@ def test_loss_goes_down_over_a_few_dozen_steps(setup, tmp_path):
     )
     draft.eval()
     assert float(DSparkTrainingModule(draft)(*batch)["loss"].detach()) < 0.8 * first
+
+
+@pytest.mark.parametrize("head", ["none", "markov", "rnn"])
+def test_training_over_a_draft_vocabulary(setup, head):
+    """``vocab=`` trains the draft as it decodes with that draft vocabulary: the columns are the whole-vocabulary
+    logits restricted to the subset, CE skips labels outside it, TV counts the target mass outside it as lost,
+    and W2's rows outside it get no gradient. With every id as the subset, nothing changes."""
+    target, rows = setup
+    torch.manual_seed(2)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8)
+    batch = _batch(target, draft, rows)
+    V = draft.config.target_vocab_size
+    full = DSparkTrainingModule(draft)(*batch)
+    same = DSparkTrainingModule(draft, vocab=torch.arange(V).flip(0))(*batch)  # order does not matter
+    for key in ["loss", "ce", "tv", "accept", "greedy_accept"]:
+        torch.testing.assert_close(same[key], full[key], rtol=1e-5, atol=1e-5)
+
+    labels = batch[1][batch[2]].unique()
+    vocab = torch.cat([labels[::2], torch.arange(V)[~torch.isin(torch.arange(V), labels)][::3]]).sort().values
+    module = DSparkTrainingModule(draft, vocab=vocab)
+    out = module(*batch)
+    ref = block_predictions(draft, *batch)
+    sub = block_predictions(draft, *batch, vocab=vocab)
+    torch.testing.assert_close(sub.logits, ref.logits[..., vocab], rtol=1e-5, atol=1e-5)
+    t_logp = ref.target_logprobs  # the whole vocabulary
+    torch.testing.assert_close(sub.target_logprobs, t_logp[..., vocab])
+    column = {int(t): i for i, t in enumerate(vocab)}
+    assert sub.labels.tolist() == [[[column.get(int(x), -1) for x in blk] for blk in row] for row in ref.labels]
+    assert sub.target_top.tolist() == [[[column.get(int(x), -1) for x in b] for b in r] for r in ref.target_top]
+    # by hand: the draft's distribution is zero outside the subset
+    p_d = torch.zeros_like(t_logp).index_copy_(-1, vocab, torch.softmax(sub.logits, -1))
+    gamma = 4
+    w = torch.exp(-torch.arange(gamma) / gamma) * ref.has_label
+    tv = ((p_d - t_logp.exp()).abs().sum(-1) * w).sum() / w.sum()
+    w_ce = w * (sub.labels >= 0)
+    nll = -torch.log(p_d.gather(-1, ref.labels[..., None]).squeeze(-1).clamp_min(1e-30))
+    ce = (torch.where(sub.labels >= 0, nll, 0) * w_ce).sum() / w_ce.sum()
+    torch.testing.assert_close(out["tv"], tv, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out["ce"], ce, rtol=1e-4, atol=1e-5)
+    assert (sub.labels == -1).any() and (sub.labels >= 0).any()  # the subset really cuts some labels
+
+    out["loss"].backward()
+    if head != "none":
+        grad = draft.sequential_head.markov_w2.weight.grad.abs().sum(-1)
+        outside = torch.ones(V, dtype=torch.bool)
+        outside[vocab] = False
+        assert grad[outside].max() == 0 and grad[vocab].max() > 0
+    for bad, why in [([1, 1, 2], "distinct"), ([0, V], "distinct token ids in"), ([], "distinct")]:
+        with pytest.raises(ValueError, match=why):
+            DSparkTrainingModule(draft, vocab=torch.tensor(bad, dtype=torch.long))
 
 
 def test_block_outputs_do_not_see_tokens_after_the_anchor(setup):
@@ -275,20 +325,23 @@ def test_feature_cache_gives_the_same_training_as_online(setup, tmp_path):
     assert feats.shape[0] == len(row["prompt_ids"]) + len(row["response_ids"]) and final.shape[-1] == 32
 
 
+@pytest.mark.parametrize("draft_vocab", [False, True])
 @pytest.mark.parametrize("head", ["none", "markov", "rnn"])
-def test_training_forward_matches_the_decoding_forward(setup, head):
+def test_training_forward_matches_the_decoding_forward(setup, head, draft_vocab):
     """What training optimises is what decoding runs: the teacher-forced block at anchor a, fed the draft's own
-    greedy proposals as the 'true' next tokens, gives the same logits as ``draft_block`` over the cached context."""
+    greedy proposals as the 'true' next tokens, gives the same logits as ``draft_block`` over the cached context
+    (over the draft vocabulary, when decoding uses one and training is given the same ids)."""
     from transformers import LogitsProcessorList
 
     from hf_dspark.generation import DraftContext, draft_block, target_features
-    from hf_dspark.training.losses import block_predictions
 
     target, rows = setup
     torch.manual_seed(4)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8).eval()
     for p in draft.parameters():  # a random but not tiny draft, so that its argmaxes are well separated
         p.data.normal_(0, 0.3)
+    if draft_vocab:
+        draft.set_draft_vocab(torch.randperm(draft.config.target_vocab_size)[:40])
     ids = torch.tensor([rows[0]["prompt_ids"] + rows[0]["response_ids"]])[:, :20]
     a = 12
     with torch.no_grad():
@@ -299,8 +352,10 @@ def test_training_forward_matches_the_decoding_forward(setup, head):
         seq = torch.cat([ids[:, : a + 1], proposal.tokens], dim=1)  # the anchor x_a, then the draft's own tokens
         valid = torch.ones_like(seq, dtype=torch.bool)
         feats, final = target_outputs(target, draft.config.target_layer_ids, seq, valid)
-        pred = block_predictions(draft, feats, seq, valid, torch.tensor([[a]]), final)
-    assert pred.logits.argmax(-1)[0, 0].tolist() == proposal.tokens[0].tolist()
+        pred = block_predictions(draft, feats, seq, valid, torch.tensor([[a]]), final, draft.draft_vocab)
+    columns = pred.logits.argmax(-1)[0, 0]
+    tokens = draft.draft_vocab[columns] if draft_vocab else columns
+    assert tokens.tolist() == proposal.tokens[0].tolist()
     # and the confidence the scheduler sees is the one the confidence loss trains
     torch.testing.assert_close(torch.sigmoid(pred.confidence_logits[0, 0]).double(), proposal.confidences[0])
 

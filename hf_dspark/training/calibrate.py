@@ -39,10 +39,11 @@ def collect_confidence_data(target, draft: DSparkDraftModel, rows: list[dict], b
     while sum(x.shape[0] for x in logits) < blocks:
         input_ids, valid, anchors, _ = make_batch(rows, cfg, gen)
         feats, final = target_outputs(target, draft.config.target_layer_ids, input_ids, valid)
-        pred = block_predictions(draft, feats, input_ids, valid, anchors, final)
+        # over the draft vocabulary when there is one: a target argmax outside it is never accepted
+        pred = block_predictions(draft, feats, input_ids, valid, anchors, final, draft.draft_vocab)
         keep = pred.has_label.all(-1).flatten()
         logits.append(pred.confidence_logits.flatten(0, 1)[keep])
-        accepted.append((pred.logits.argmax(-1) == pred.target_logits.argmax(-1)).float().flatten(0, 1)[keep])
+        accepted.append((pred.logits.argmax(-1) == pred.target_top).float().flatten(0, 1)[keep])
     return torch.cat(logits)[:blocks], torch.cat(accepted)[:blocks]
 
 

@@ -43,11 +43,13 @@ def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, gamma: int)
 
 @dataclass
 class BlockPredictions:
-    """Teacher-forced draft predictions for A blocks per row: all tensors shaped [R, A, γ, ...]."""
+    """Teacher-forced draft predictions for A blocks per row over C columns (the whole vocabulary, or a draft
+    vocabulary): all tensors shaped [R, A, γ, ...]."""
 
-    logits: torch.Tensor  # draft logits after the sequential head, float32 [R, A, γ, V]
-    target_logits: torch.Tensor  # target logits for the same next tokens [R, A, γ, V] (float32)
-    labels: torch.Tensor  # the true next tokens [R, A, γ]
+    logits: torch.Tensor  # draft logits after the sequential head, float32 [R, A, γ, C]
+    target_logprobs: torch.Tensor  # target log-probs of the same columns, normalised over the whole vocabulary
+    labels: torch.Tensor  # column of the true next token, -1 when the columns lack it [R, A, γ]
+    target_top: torch.Tensor  # column of the target's argmax, -1 when the columns lack it [R, A, γ]
     has_label: torch.Tensor  # False past the end of the sequence [R, A, γ]
     confidence_logits: torch.Tensor | None  # [R, A, γ]
 
@@ -59,10 +61,12 @@ def block_predictions(
     valid: torch.Tensor,
     anchors: torch.Tensor,
     target_hidden: torch.Tensor,
+    vocab: torch.Tensor | None = None,
 ) -> BlockPredictions:
     """features [R, L, m·d_t] (target hidden states), input_ids [R, L], valid [R, L] bool, anchors [R, A]
     (positions that have a next token), target_hidden [R, L, d_t] (the target's final normed hidden state; its LM
-    head is applied only at the block slots).
+    head is applied only at the block slots). ``vocab`` [C], sorted distinct token ids: predict over these columns
+    only, as a draft with that draft vocabulary decodes (``None``: the whole vocabulary).
     """
     if draft.config.draft_offset != 0:
         raise ValueError("training supports DSpark's block convention only (draft_offset=0)")
@@ -82,40 +86,71 @@ def block_predictions(
     embeds = draft.embed_block(input_ids.gather(1, anchors)).reshape(R, A * gamma, -1)
     out = draft(embeds, slot_pos.reshape(R, -1), context, block_attention_mask(anchors, valid, gamma), False)
     h = out.hidden_states.view(R, A, gamma, -1)
-    logits = draft.lm_head(h).float()  # the whole vocabulary, even when decoding uses a draft vocabulary
+    if vocab is None:
+        logits, rows = draft.lm_head(h).float(), None
+    else:
+        # the frozen LM head's rows are gathered per call; W2's rows keep their gradient
+        head = draft.target.get_output_embeddings()
+        bias = head.bias[vocab] if getattr(head, "bias", None) is not None else None
+        logits = F.linear(h, head.weight[vocab], bias).float()
+        rows = draft.sequential_head.markov_w2.weight[vocab] if draft.sequential_head is not None else None
     feature = None
     if draft.sequential_head is not None:
-        bias, feature = draft.sequential_head.teacher_forced(prev, h)
+        bias, feature = draft.sequential_head.teacher_forced(prev, h, rows)
         logits = logits + bias.float()
     d = target_hidden.shape[-1]
     t_hidden = torch.gather(target_hidden, 1, slot_pos.clamp_max(L - 1).reshape(R, -1, 1).expand(-1, -1, d))
     with torch.no_grad():
-        t_logits = draft.lm_head(t_hidden.to(draft.dtype)).float().view(R, A, gamma, -1)
+        t_logp = F.log_softmax(draft.lm_head(t_hidden.to(draft.dtype)).float().view(R, A, gamma, -1), -1)
+        t_top = t_logp.argmax(-1)
+        if vocab is not None:
+            column = torch.full((t_logp.shape[-1],), -1, dtype=torch.long, device=vocab.device)
+            column[vocab] = torch.arange(vocab.numel(), device=vocab.device)
+            t_logp, t_top, labels = t_logp[..., vocab], column[t_top], column[labels]
     conf = draft.confidence.logit(h, feature).float() if draft.confidence is not None else None
-    return BlockPredictions(logits, t_logits, labels, has_label, conf)
+    return BlockPredictions(logits, t_logp, labels, t_top, has_label, conf)
 
 
 class DSparkTrainingModule(nn.Module):
-    """Wraps a draft so one ``forward`` computes all losses (what DDP/FSDP wrap and call)."""
+    """Wraps a draft so one ``forward`` computes all losses (what DDP/FSDP wrap and call).
 
-    def __init__(self, draft: DSparkDraftModel, weights: LossWeights | None = None):
+    ``vocab`` (sorted distinct token ids) trains the draft as it will decode with that draft vocabulary: its
+    softmax runs over those columns only (several times cheaper per step with a ~7k-token subset of a 49k
+    vocabulary), CE skips labels outside them and TV counts the target mass outside them as lost.
+    """
+
+    def __init__(self, draft: DSparkDraftModel, weights: LossWeights | None = None, vocab=None):
         super().__init__()
         draft.target.requires_grad_(False)  # the target, its embedding and LM head stay frozen
         self.draft = draft
         self.weights = weights or LossWeights()
+        if vocab is not None:
+            vocab = torch.as_tensor(vocab, dtype=torch.long).flatten()
+            V = draft.config.target_vocab_size
+            if (
+                vocab.numel() == 0
+                or vocab.unique().numel() != vocab.numel()
+                or not (0 <= vocab.min() <= vocab.max() < V)
+            ):
+                raise ValueError(f"training vocab must be distinct token ids in [0, {V}), got {vocab.numel()} ids")
+            vocab = vocab.sort().values
+        self.register_buffer("vocab", vocab, persistent=False)
 
     def forward(self, features, input_ids, valid, anchors, target_hidden) -> dict[str, torch.Tensor]:
         """Arguments as :func:`block_predictions`. Returns the weighted ``loss``, its components, and per-position
         acceptance estimates ``accept`` [γ] (mean soft label) and ``greedy_accept`` [γ] (argmaxes agree)."""
-        pred = block_predictions(self.draft, features, input_ids, valid, anchors, target_hidden)
+        pred = block_predictions(self.draft, features, input_ids, valid, anchors, target_hidden, self.vocab)
         gamma = self.draft.config.block_size
         logp_d = F.log_softmax(pred.logits, -1)
-        p_d, p_t = logp_d.exp(), F.softmax(pred.target_logits.float(), -1)
+        p_d, p_t = logp_d.exp(), pred.target_logprobs.exp()
         k = torch.arange(gamma, device=input_ids.device)
         w = torch.exp(-k.float() / (self.draft.config.loss_decay or gamma)) * pred.has_label  # [R, A, γ]
         norm = w.sum().clamp_min(1e-6)
-        ce = -(logp_d.gather(-1, pred.labels[..., None]).squeeze(-1) * w).sum() / norm
-        tv = ((p_d - p_t).abs().sum(-1) * w).sum() / norm
+        w_ce = w * (pred.labels >= 0)  # a label outside the columns cannot be drafted: no CE term
+        nll = -logp_d.gather(-1, pred.labels.clamp_min(0)[..., None]).squeeze(-1)
+        ce = (nll * w_ce).sum() / w_ce.sum().clamp_min(1e-6)
+        missed = (1 - p_t.sum(-1)).clamp_min(0)  # target mass outside the columns (0 with the whole vocabulary)
+        tv = (((p_d - p_t).abs().sum(-1) + missed) * w).sum() / norm
         soft = soft_acceptance_label(p_d, p_t).detach()
         losses = {"ce": ce, "tv": tv}
         loss = self.weights.ce * ce + self.weights.tv * tv
@@ -123,7 +158,7 @@ class DSparkTrainingModule(nn.Module):
             bce = F.binary_cross_entropy_with_logits(pred.confidence_logits, soft, reduction="none")
             losses["conf"] = (bce * w).sum() / norm
             loss = loss + self.weights.conf * losses["conf"]
-        greedy = (pred.logits.argmax(-1) == pred.target_logits.argmax(-1)).float()
+        greedy = (pred.logits.argmax(-1) == pred.target_top).float()
         per_pos = pred.has_label.float().sum((0, 1)).clamp_min(1)
         return {
             "loss": loss,

@@ -102,13 +102,16 @@ def train(
     log=print,
     stop_at: int | None = None,
     feature_cache: str | Path | None = None,
+    vocab: torch.Tensor | list[int] | None = None,
 ) -> DSparkDraftModel:
     """Train ``draft`` (attached to the frozen ``target``) on regenerated ``rows``; resume from ``out_dir``.
 
     Writes ``checkpoint-<step>/`` (accelerate state + ``step.json``) every ``save_every`` steps and the final
     draft (``save_pretrained``) to ``out_dir/final``. ``stop_at`` ends this run early at that step (after saving a
     checkpoint) without changing the schedule, so a later call resumes as if never stopped. ``feature_cache``, a
-    folder, stores the target's features per row so later epochs skip the target forward. Returns the draft.
+    folder, stores the target's features per row so later epochs skip the target forward. ``vocab`` (token ids)
+    trains over that draft vocabulary only (see :class:`DSparkTrainingModule`; ship the draft with
+    ``set_draft_vocab(vocab)``). Returns the draft.
     """
     from accelerate import Accelerator
     from tqdm.auto import tqdm
@@ -117,7 +120,7 @@ def train(
     acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision)
     target.requires_grad_(False).eval()
     draft.train()
-    module = DSparkTrainingModule(draft, cfg.loss_weights)
+    module = DSparkTrainingModule(draft, cfg.loss_weights, vocab)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
