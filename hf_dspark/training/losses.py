@@ -103,7 +103,7 @@ def block_predictions(
     with torch.no_grad():
         t_logp = F.log_softmax(draft.lm_head(t_hidden.to(draft.dtype)).float().view(R, A, gamma, -1), -1)
         t_top = t_logp.argmax(-1)
-        if vocab is not None:
+        if vocab is not None:  # normalised over the whole vocabulary, kept for the subset's columns only
             column = torch.full((t_logp.shape[-1],), -1, dtype=torch.long, device=vocab.device)
             column[vocab] = torch.arange(vocab.numel(), device=vocab.device)
             t_logp, t_top, labels = t_logp[..., vocab], column[t_top], column[labels]
