@@ -1,0 +1,72 @@
+"""Held-out τ of training checkpoints and shipped drafts, side by side: choose what to ship without the eval sets.
+
+    python recipes/smollm2_heldout.py --draft hf_dspark/checkpoints/smollm2-135m-instruct-dspark \\
+        --run run6k-markov [--checkpoint N] [--prompts 32] [--max-new-tokens 128]
+
+Greedy DSpark decoding of the recipe's held-out prompts (never trained on) in fixed mode (all γ tokens verified),
+bfloat16 target, the same prompts for every draft. A run checkpoint is loaded as the ship step would load it
+(its draft vocabulary included), in bfloat16. Prints τ and per-position acceptance, one line per draft.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from smollm2_ship import held_out_prompts, load_run
+from smollm2_train import STATE
+
+from hf_dspark import DSparkDraftModel
+from hf_dspark.embedded import load_target
+from hf_dspark.stats import DSparkStats
+from hf_dspark.training.data import left_pad
+
+
+def heldout_stats(target, draft, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8) -> DSparkStats:
+    """Every round of greedy fixed-mode decoding of ``prompts``, pooled into one :class:`DSparkStats`."""
+    draft.config.verify_mode = "fixed"
+    pooled = DSparkStats(draft.config.block_size)
+    for i in range(0, len(prompts), batch_size):
+        ids, mask = left_pad(prompts[i : i + batch_size], 2)
+        target.generate(
+            input_ids=ids, attention_mask=mask, assistant_model=draft, max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=2,
+        )  # fmt: skip
+        s = draft.stats
+        for p, a, c in zip(s.proposed, s.accepted, s.committed, strict=True):
+            pooled.record(p, a, c)
+    return pooled
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--draft", type=Path, nargs="*", default=[], help="shipped draft folders")
+    ap.add_argument("--run", nargs="*", default=[], help="training runs (their newest checkpoint, or --checkpoint)")
+    ap.add_argument("--checkpoint", type=int, default=None)
+    ap.add_argument("--head", default="markov")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target32, tokenizer = load_target()
+    target, _ = load_target(torch.bfloat16)
+    prompts = [r["prompt_ids"] for r in held_out_prompts(tokenizer) if len(r["prompt_ids"]) <= 512][: args.prompts]
+    drafts = {str(d): DSparkDraftModel.from_pretrained(d) for d in args.draft}
+    for name in args.run:
+        run = STATE / name
+        draft, step = load_run(target32, run, args.head, args.checkpoint)
+        if (run / "draft_vocab.json").is_file():
+            draft.set_draft_vocab(json.loads((run / "draft_vocab.json").read_text()))
+        drafts[f"{name}@{step}"] = draft
+    for name, draft in drafts.items():
+        stats = heldout_stats(target, draft.attach(target).eval(), prompts, args.max_new_tokens)
+        acc = " ".join("-" if a is None else f"{a:.2f}" for a in stats.position_acceptance())
+        print(f"{name}: {len(prompts)} prompts, {stats.rounds} rounds, tau {stats.tau:.3f}, acceptance {acc}")
+
+
+if __name__ == "__main__":
+    main()
