@@ -49,14 +49,17 @@ def cmd_prepare(args) -> None:
 
 def cmd_train(args) -> None:
     from .modeling_dspark import DSparkDraftModel
-    from .training.data import load_dataset
+    from .training.data import frequent_tokens, load_dataset
     from .training.losses import LossWeights
-    from .training.trainer import TrainConfig, train
+    from .training.trainer import TrainConfig, saved_vocab, train
 
     rows = load_dataset(args.data)
     if not rows:
         raise SystemExit(f"no training rows in {args.data}: run `hf-dspark prepare` first")
-    target, _ = load_target(args.target, args.dtype, with_tokenizer=False)
+    target, tokenizer = load_target(args.target, args.dtype, with_tokenizer=bool(args.draft_vocab))
+    vocab = saved_vocab(args.out)  # a resumed run keeps the vocabulary it started with
+    if vocab is None and args.draft_vocab:
+        vocab = frequent_tokens(rows, args.draft_vocab, always=tokenizer.all_special_ids)
     torch.manual_seed(args.seed)
     draft = DSparkDraftModel.from_target(
         target,
@@ -77,7 +80,7 @@ def cmd_train(args) -> None:
         mixed_precision=args.mixed_precision,
         loss_weights=LossWeights(*args.loss_weights),
     )
-    train(target, draft, rows, args.out, cfg, stop_at=args.stop_at)
+    train(target, draft, rows, args.out, cfg, stop_at=args.stop_at, vocab=vocab)
 
 
 def cmd_calibrate(args) -> None:
@@ -236,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--loss-weights", type=float, nargs=3, default=[0.1, 0.9, 1.0], metavar=("CE", "TV", "CONF"))
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="train over the N most frequent answer tokens + special tokens and ship with them as the "
+                   "draft vocabulary (0: the whole vocabulary; a resumed run keeps its own)")  # fmt: skip
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("calibrate", help="STS: fit per-position temperatures, store them in the draft's config")

@@ -21,7 +21,7 @@ from hf_dspark import DSparkDraftModel
 from hf_dspark.embedded import load_target
 from hf_dspark.training.data import frequent_tokens, load_dataset
 from hf_dspark.training.losses import LossWeights
-from hf_dspark.training.trainer import TrainConfig, train
+from hf_dspark.training.trainer import TrainConfig, saved_vocab, train
 
 STATE = Path("~/.cache/hf_dspark/smollm2").expanduser()
 
@@ -36,22 +36,6 @@ def build_draft(target, head: str) -> DSparkDraftModel:
     return DSparkDraftModel.from_target(
         target, block_size=8, num_draft_layers=2, head_type=head, head_rank=64, copy_target_layers=True
     )
-
-
-def run_vocab(out: Path, rows: list[dict], size: int, special: list[int]) -> torch.Tensor | None:
-    """The run's draft vocabulary: read from ``out/draft_vocab.json``, or chosen from ``rows`` and written there
-    on the first start (so a resumed run, and the ship step, use the same ids while more rows arrive)."""
-    path = out / "draft_vocab.json"
-    if path.is_file():
-        return torch.tensor(json.loads(path.read_text()), dtype=torch.long)
-    if not size:
-        return None
-    vocab = frequent_tokens(rows, size, always=special)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(vocab.tolist()))
-    tmp.replace(path)
-    return vocab
 
 
 def main() -> None:
@@ -84,7 +68,9 @@ def main() -> None:
     )
     log = out / "log.jsonl"
     out.mkdir(parents=True, exist_ok=True)
-    vocab = run_vocab(out, rows, args.draft_vocab, tokenizer.all_special_ids)
+    vocab = saved_vocab(out)  # fixed at the run's first start, so resumed runs and the ship step agree
+    if vocab is None and args.draft_vocab:
+        vocab = frequent_tokens(rows, args.draft_vocab, always=tokenizer.all_special_ids)
     print(f"{len(rows)} training rows, {sum(len(r['response_ids']) for r in rows)} answer tokens,"
           f" {'the whole' if vocab is None else len(vocab)} vocabulary")  # fmt: skip
 

@@ -5,10 +5,10 @@ import torch
 from conftest import char_tokenizer, tiny_rows, tiny_target
 
 from hf_dspark import DSparkDraftModel
-from hf_dspark.training.data import load_dataset, read_prompts
+from hf_dspark.training.data import frequent_tokens, load_dataset, read_prompts
 from hf_dspark.training.features import FeatureCache, target_outputs
 from hf_dspark.training.losses import DSparkTrainingModule, block_attention_mask, block_predictions
-from hf_dspark.training.trainer import TrainConfig, make_batch, train
+from hf_dspark.training.trainer import TrainConfig, make_batch, saved_vocab, train
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +171,30 @@ def test_resume_gives_identical_parameters(setup, tmp_path):
     assert not list((tmp_path / "b").glob(".tmp-*"))
 
 
+def test_a_run_keeps_its_draft_vocabulary(setup, tmp_path):
+    """The first start given ids writes them to draft_vocab.json; a resume with other ids, or none, is refused by
+    name (its checkpoints learned those columns); a whole-vocabulary run may switch to one when resumed."""
+    target, rows = setup
+    cfg = TrainConfig(steps=4, lr=3e-3, anchors=4, batch_size=2, save_every=2)
+    quiet = dict(progress=False, log=lambda s: None)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    vocab = frequent_tokens(rows, 20, always=[0, 1, 2])
+    train(target, draft, rows, tmp_path / "a", cfg, stop_at=2, vocab=vocab, **quiet)
+    assert draft.draft_vocab is None  # an unfinished run leaves the draft as it was
+    assert saved_vocab(tmp_path / "a").tolist() == vocab.tolist()
+    for other in [vocab[1:], None]:
+        with pytest.raises(ValueError, match=r"draft vocabulary in draft_vocab\.json"):
+            train(target, draft, rows, tmp_path / "a", cfg, vocab=other, **quiet)
+    final = train(target, draft, rows, tmp_path / "a", cfg, vocab=vocab.flip(0), **quiet)  # same ids, any order
+    assert final.draft_vocab.tolist() == vocab.tolist()
+    assert DSparkDraftModel.from_pretrained(tmp_path / "a" / "final").config.draft_vocab_size == len(vocab)
+    fresh = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    train(target, fresh, rows, tmp_path / "b", cfg, stop_at=2, **quiet)
+    assert saved_vocab(tmp_path / "b") is None
+    train(target, fresh, rows, tmp_path / "b", cfg, vocab=vocab, **quiet)
+    assert saved_vocab(tmp_path / "b").tolist() == vocab.tolist()
+
+
 def test_read_prompts_refuses_eval_files(tmp_path):
     d = tmp_path / "eval"
     d.mkdir()
@@ -239,12 +263,15 @@ def test_cli_train_then_calibrate(setup, tmp_path):
 
     target, rows = setup
     target.save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     main(
         [
             "train",
+            "--draft-vocab",
+            "30",
             "--target",
             str(tmp_path / "target"),
             "--data",
@@ -266,6 +293,10 @@ def test_cli_train_then_calibrate(setup, tmp_path):
         ]
     )
     assert (out / "final" / "model.safetensors").is_file() and (out / "checkpoint-6").is_dir()
+    # trained over the 30 most frequent answer tokens + the tokenizer's special ids, and shipped with them
+    vocab = json.loads((out / "draft_vocab.json").read_text())
+    assert vocab == frequent_tokens(rows, 30, always=char_tokenizer().all_special_ids).tolist()
+    assert DSparkDraftModel.from_pretrained(out / "final").draft_vocab.tolist() == vocab
     main(
         [
             "calibrate",

@@ -86,6 +86,31 @@ def batch_target_outputs(target, draft, rows, idx, input_ids, valid, cache: Feat
     return feats, final
 
 
+VOCAB_FILE = "draft_vocab.json"
+
+
+def saved_vocab(out_dir: str | Path) -> torch.Tensor | None:
+    """The draft vocabulary a run in ``out_dir`` trains over (``draft_vocab.json``), or ``None`` if it has none."""
+    path = Path(out_dir) / VOCAB_FILE
+    return torch.tensor(json.loads(path.read_text()), dtype=torch.long) if path.is_file() else None
+
+
+def _check_vocab(out_dir: Path, vocab: torch.Tensor | None) -> None:
+    """A run keeps its draft vocabulary once it has one: the first start given ids writes them (a whole-vocabulary
+    run may switch to one when resumed), and every later start must be given the same ids."""
+    saved = saved_vocab(out_dir)
+    if saved is not None and (vocab is None or not torch.equal(saved.sort().values, vocab.sort().values)):
+        raise ValueError(
+            f"{out_dir} holds a run trained over the {saved.numel()}-token draft vocabulary in {VOCAB_FILE}: "
+            "resume it with those ids (training.trainer.saved_vocab) or start a new run folder"
+        )
+    if saved is None and vocab is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / (VOCAB_FILE + ".tmp")
+        tmp.write_text(json.dumps(vocab.tolist()))
+        tmp.replace(out_dir / VOCAB_FILE)
+
+
 def _latest_checkpoint(out_dir: Path) -> Path | None:
     ckpts = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     return ckpts[-1] if ckpts else None
@@ -111,7 +136,8 @@ def train(
     checkpoint) without changing the schedule, so a later call resumes as if never stopped. ``feature_cache``, a
     folder, stores the target's features per row so later epochs skip the target forward. ``vocab`` (token ids)
     trains over that draft vocabulary only (see :class:`DSparkTrainingModule`; ship the draft with
-    ``set_draft_vocab(vocab)``). Returns the draft.
+    ``set_draft_vocab(vocab)``). The ids are kept in ``out_dir/draft_vocab.json``; resuming with other ids (or
+    none) raises ``ValueError``, and the final draft is saved with them as its draft vocabulary. Returns the draft.
     """
     from accelerate import Accelerator
     from tqdm.auto import tqdm
@@ -130,6 +156,9 @@ def train(
 
     start = 0
     latest = _latest_checkpoint(out_dir)
+    vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).flatten()
+    if acc.is_main_process:
+        _check_vocab(out_dir, vocab)
     if latest is not None:
         acc.load_state(str(latest))
         start = json.loads((latest / "step.json").read_text())["step"]
@@ -162,6 +191,8 @@ def train(
         if (step + 1) % cfg.save_every == 0 or step + 1 == end:
             save_checkpoint(acc, out_dir, step + 1, cfg.keep_checkpoints)
     final = acc.unwrap_model(module).draft
+    if vocab is not None and end == cfg.steps:  # the finished draft decodes over what it was trained on
+        final.set_draft_vocab(vocab)
     if acc.is_main_process and end == cfg.steps:
         final.save_pretrained(out_dir / "final")
         (out_dir / "final" / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
