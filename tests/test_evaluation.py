@@ -177,10 +177,12 @@ def test_results_merge_bench_runs_keeping_each_runs_baseline(tmp_path):
                                          "speedup": speedup, "tau": None}  # fmt: skip
     run1 = [{"dataset": "gsm8k", "prompts": 30, **ctx, "methods": [method("plain", 20.0, 1.0), method("a", 22.0, 1.1)]}]
     run2 = [{"dataset": "gsm8k", "prompts": 30, **ctx, "methods": [method("plain", 18.0, 1.0), method("b", 27.0, 1.5)]}]
+    run2[0]["date"] = "2026-11-30"  # a draft benchmarked the next day
     curve = {"verify_rate": 0.4, "tokens_per_s": 20.0, "position_acceptance": [0.5, 0.4]}
-    ev = lambda draft: [{"draft": draft, "dataset": "gsm8k", "temperature": 0.0, "prompts": 30, "tau": 1.5,  # noqa: E731
-                         **curve, **ctx}]  # fmt: skip
-    for name, data in {"b1.json": run1, "b2.json": run2, "e1.json": ev("markov"), "e2.json": ev("rnn")}.items():
+    ev = lambda draft, date: [{"draft": draft, "dataset": "gsm8k", "temperature": 0.0, "prompts": 30, "tau": 1.5,  # noqa: E731
+                               **curve, **ctx, "date": date}]  # fmt: skip
+    evals = {"e1.json": ev("markov", "2026-11-29"), "e2.json": ev("rnn", "2026-11-30")}
+    for name, data in {"b1.json": run1, "b2.json": run2, **evals}.items():
         (tmp_path / name).write_text(json.dumps(data))
     readme = tmp_path / "README.md"
     readme.write_text("# x\n")
@@ -192,7 +194,11 @@ def test_results_merge_bench_runs_keeping_each_runs_baseline(tmp_path):
     assert "| gsm8k | a | 22.0 | 1.10× | - | 30/30 | 1 |" in text
     assert "| gsm8k | plain (run 2) | 18.0 | 1.00× | - | 30/30 | 2 |" in text
     assert "| gsm8k | b | 27.0 | 1.50× | - | 30/30 | 2 |" in text
-    assert "| markov | gsm8k |" in text and "| rnn | gsm8k |" in text
+    # rows from different days say which day each was measured
+    assert "Measured 2026-11-29 and 2026-11-30 (per row below) on m, 2 threads" in text
+    assert "Bench runs: 1 measured 2026-11-29, 2 measured 2026-11-30." in text
+    assert "| markov | gsm8k | 0.0 | 30 | 1.50 | 0.40 | 20.0 | 0.50 0.40 | 2026-11-29 |" in text
+    assert "| rnn | gsm8k | 0.0 | 30 | 1.50 | 0.40 | 20.0 | 0.50 0.40 | 2026-11-30 |" in text
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["acceptance.png", "speedup.png", "tau.png"]
     short = [{**run2[0], "prompts": 10}]
     with pytest.raises(ValueError, match="bench run 2 has no 'gsm8k' results with 30 prompts"):

@@ -110,17 +110,20 @@ def evaluate(target, tokenizer, draft, dataset: str, limit: int | None = None, m
 
 
 def markdown_table(results: list[dict]) -> str:
-    """One row per draft and dataset: τ, verify rate, tokens/s and the per-position acceptance curve."""
+    """One row per draft and dataset: τ, verify rate, tokens/s and the per-position acceptance curve (and the
+    date each row was measured, when the rows come from runs on different days)."""
+    dated = len({r.get("date") for r in results}) > 1
     lines = [
-        "| draft | dataset | T | prompts | τ | verify rate | tok/s | acceptance by position |",
-        "|---|---|---|---|---|---|---|---|",
+        "| draft | dataset | T | prompts | τ | verify rate | tok/s | acceptance by position |"
+        + (" measured |" if dated else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if dated else ""),
     ]
     for r in results:
         curve = " ".join("-" if a is None else f"{a:.2f}" for a in r["position_acceptance"])
         rate = "-" if r["verify_rate"] is None else f"{r['verify_rate']:.2f}"
         tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
         cells = [r.get("draft", "dspark"), r["dataset"], r["temperature"], r["prompts"], f"{r['tau']:.2f}", rate, tps]
-        lines.append("| " + " | ".join(str(c) for c in [*cells, curve]) + " |")
+        lines.append("| " + " | ".join(str(c) for c in [*cells, curve] + ([r.get("date")] if dated else [])) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -16,11 +16,16 @@ def results_section(eval_results: list[dict], bench_results: list[dict]) -> str:
     first = runs[0]
     kinds = (("τ", eval_results), ("wall-clock", bench_results))
     counts = [f"{kind}: {_prompt_counts(rs)}" for kind, rs in kinds if rs]
+    dates = sorted({r["date"] for r in eval_results} | {m["date"] for m in _methods(bench_results)})
+    when = dates[0] if len(dates) == 1 else " and ".join(dates) + " (per row below)"
     lines = [
-        f"Measured {first['date']} on {first['machine']}, {first['threads']} threads, {first['device']}, "
+        f"Measured {when} on {first['machine']}, {first['threads']} threads, {first['device']}, "
         f"{first['dtype']}; greedy unless T says otherwise; " + "; ".join(counts) + ".",
         "",
     ]
+    run_dates = {m["run"]: m["date"] for m in _methods(bench_results)}
+    if len(run_dates) > 1:
+        lines += ["Bench runs: " + ", ".join(f"{k} measured {d}" for k, d in sorted(run_dates.items())) + ".", ""]
     if eval_results:
         lines += [
             "**Acceptance** (τ = tokens committed per round, bonus included; verify mode "
@@ -32,6 +37,11 @@ def results_section(eval_results: list[dict], bench_results: list[dict]) -> str:
     if bench_results:
         lines += ["**Wall-clock** (interleaved, same process)", "", bench.markdown_table(bench_results)]
     return "\n".join(lines)
+
+
+def _methods(bench_results: list[dict]) -> list[dict]:
+    """Every method row, with its run number and the date it was measured (its dataset entry's, unless merged)."""
+    return [{"run": 1, "date": r["date"], **m} for r in bench_results for m in r["methods"]]
 
 
 def _prompt_counts(results: list[dict]) -> str:
@@ -67,7 +77,7 @@ def merge_bench(runs: list[list[dict]]) -> list[dict]:
         return []
     merged = []
     for entry in runs[0]:
-        entry = {**entry, "methods": [{**m, "run": 1} for m in entry["methods"]]}
+        entry = {**entry, "methods": [{**m, "run": 1, "date": entry.get("date")} for m in entry["methods"]]}
         for k, run in enumerate(runs[1:], start=2):
             other = next((e for e in run if e["dataset"] == entry["dataset"]), None)
             if other is None or other["prompts"] != entry["prompts"]:
@@ -76,7 +86,12 @@ def merge_bench(runs: list[list[dict]]) -> list[dict]:
                 )
             names = {m["method"] for m in entry["methods"]}
             entry["methods"] += [
-                {**m, "method": m["method"] + (f" (run {k})" if m["method"] in names else ""), "run": k}
+                {
+                    **m,
+                    "method": m["method"] + (f" (run {k})" if m["method"] in names else ""),
+                    "run": k,
+                    "date": other.get("date"),
+                }
                 for m in other["methods"]
             ]
         merged.append(entry)
