@@ -140,6 +140,29 @@ def test_bench_output_check(dtype, tied_logits):
     assert "| humaneval | plain |" in table and table.rstrip().endswith("| 0/2 |")
 
 
+def test_tie_check_asks_a_float32_copy_too():
+    """A bfloat16 forward can separate two tokens by more than two rounding units that float32 puts within them
+    (accumulated rounding over a long context): the float32 copy's verdict counts; without it, or when float32
+    separates them too, the mismatch is no tie."""
+    import copy
+
+    from hf_dspark.evaluation.bench import parts_at_a_tie
+
+    low = tiny_target("llama", vocab_size=96, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    low.lm_head.weight.data.normal_(0, 2.0)  # well-separated logits in the low-precision model
+    tied = copy.deepcopy(low).float()
+    tied.lm_head.weight.data[:] = tied.lm_head.weight.data[0].clone()  # every logit equal in float32
+    separated = copy.deepcopy(low).float()
+    prefix = torch.tensor([[5, 6, 7]])
+    logits = low(prefix).logits[0, -1].float()
+    best, worst = int(logits.argmax()), int(logits.argmin())
+    plain, other = torch.tensor([[5, 6, 7, best]]), torch.tensor([[5, 6, 7, worst]])
+    assert not parts_at_a_tie(low, other, plain)
+    assert not parts_at_a_tie(low, other, plain, exact=separated)
+    assert parts_at_a_tie(low, other, plain, exact=tied)
+
+
 def test_readme_results_section_is_written_from_json(tmp_path):
     from hf_dspark.cli import main
 
