@@ -91,7 +91,7 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
         for name, out in outs.items():
             per[name]["same"] += out.tolist() == reference
             if out.tolist() != reference and not strict:
-                exact = exact if exact is not None else copy.deepcopy(target).float()  # made on first need
+                exact = exact if exact is not None else _upcast_copy(target)  # made on first need
             if out.tolist() != reference and (strict or not parts_at_a_tie(target, out, outs["plain"], exact)):
                 raise RuntimeError(f"{name} produced a different greedy output than plain generate on prompt {i}")
     plain_time = sum(per["plain"]["seconds"])
@@ -111,15 +111,20 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
             **run_context(target)}  # fmt: skip
 
 
+def _upcast_copy(model):
+    """The same weights, computed in float32 (``nn.Module.to``: a GGUF-loaded model refuses its own ``.float()``)."""
+    return torch.nn.Module.to(copy.deepcopy(model), torch.float32)
+
+
 def parts_at_a_tie(target, out: torch.Tensor, reference: torch.Tensor, exact=None) -> bool:
     """Whether two greedy outputs ([1, T] each) first differ at a token whose target logit ties the reference's.
 
-    Recomputes the target's logits at the first differing position (one forward) and checks that both tokens' logits
-    are within two units of rounding (in the target's dtype) of the largest logit. ``exact``, a float32 copy of the
-    target, is asked too: over a long context a low-precision forward's logits drift by more than two units from
-    one batch shape to another, so a pair that is within two units of each other in float32 counts as a tie even
-    when the low-precision recomputation separates them further (seen here: 21.157 vs 21.152 in float32, three
-    bfloat16 units apart in bfloat16).
+    Recomputes the target's logits at the first differing position (one forward) and checks that both tokens'
+    logits are within two units of rounding (in the target's dtype) of the largest logit. ``exact``, the same
+    weights upcast to float32, is asked too: over a long context a low-precision forward's logits drift by more
+    than two units from one batch shape to another, so a pair within two units of each other in float32 counts
+    as a tie even when the low-precision recomputation separates them further (seen here: 21.157 vs 21.152 in
+    float32, three bfloat16 units apart in bfloat16).
     """
     a, b = out[0].tolist(), reference[0].tolist()
     k = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
