@@ -65,8 +65,9 @@ def block_predictions(
 ) -> BlockPredictions:
     """features [R, L, m·d_t] (target hidden states), input_ids [R, L], valid [R, L] bool, anchors [R, A]
     (positions that have a next token), target_hidden [R, L, d_t] (the target's final normed hidden state; its LM
-    head is applied only at the block slots). ``vocab`` [C], sorted distinct token ids: predict over these columns
-    only, as a draft with that draft vocabulary decodes (``None``: the whole vocabulary).
+    head is applied only at the block slots). ``vocab`` [C], distinct token ids: predict over these columns only
+    (column i is token ``vocab[i]``), as a draft with that draft vocabulary decodes (``None``: the whole
+    vocabulary).
     """
     if draft.config.draft_offset != 0:
         raise ValueError("training supports DSpark's block convention only (draft_offset=0)")

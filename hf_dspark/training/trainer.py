@@ -95,16 +95,17 @@ def saved_vocab(out_dir: str | Path) -> torch.Tensor | None:
     return torch.tensor(json.loads(path.read_text()), dtype=torch.long) if path.is_file() else None
 
 
-def _check_vocab(out_dir: Path, vocab: torch.Tensor | None) -> None:
-    """A run keeps its draft vocabulary once it has one: the first start given ids writes them (a whole-vocabulary
-    run may switch to one when resumed), and every later start must be given the same ids."""
+def _check_vocab(out_dir: Path, vocab: torch.Tensor | None, write: bool) -> None:
+    """A run keeps its draft vocabulary once it has one: the first start given ids writes them (``write``: the main
+    process; a whole-vocabulary run may switch to one when resumed), and every later start must be given the same
+    ids. Every process checks, so a refused resume stops all of them, not the main one alone."""
     saved = saved_vocab(out_dir)
     if saved is not None and (vocab is None or not torch.equal(saved.sort().values, vocab.sort().values)):
         raise ValueError(
             f"{out_dir} holds a run trained over the {saved.numel()}-token draft vocabulary in {VOCAB_FILE}: "
             "resume it with those ids (training.trainer.saved_vocab) or start a new run folder"
         )
-    if saved is None and vocab is not None:
+    if saved is None and vocab is not None and write:
         out_dir.mkdir(parents=True, exist_ok=True)
         tmp = out_dir / (VOCAB_FILE + ".tmp")
         tmp.write_text(json.dumps(vocab.tolist()))
@@ -157,8 +158,7 @@ def train(
     start = 0
     latest = _latest_checkpoint(out_dir)
     vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).flatten()
-    if acc.is_main_process:
-        _check_vocab(out_dir, vocab)
+    _check_vocab(out_dir, vocab, write=acc.is_main_process)
     if latest is not None:
         acc.load_state(str(latest))
         start = json.loads((latest / "step.json").read_text())["step"]
