@@ -56,7 +56,12 @@ def cmd_train(args) -> None:
     rows = load_dataset(args.data)
     if not rows:
         raise SystemExit(f"no training rows in {args.data}: run `hf-dspark prepare` first")
-    target, tokenizer = load_target(args.target, args.dtype, with_tokenizer=bool(args.draft_vocab))
+    try:
+        target, tokenizer = load_target(args.target, args.dtype, with_tokenizer=bool(args.draft_vocab))
+    except (OSError, ValueError) as e:  # transformers raises either for a folder without tokenizer files
+        if not args.draft_vocab:
+            raise
+        raise SystemExit(f"--draft-vocab needs the target's tokenizer (its special token ids): {e}") from e
     vocab = saved_vocab(args.out)  # a resumed run keeps the vocabulary it started with
     if vocab is None and args.draft_vocab:
         vocab = frequent_tokens(rows, args.draft_vocab, always=tokenizer.all_special_ids)

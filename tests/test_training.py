@@ -263,10 +263,13 @@ def test_cli_train_then_calibrate(setup, tmp_path):
 
     target, rows = setup
     target.save_pretrained(tmp_path / "target")
-    char_tokenizer().save_pretrained(tmp_path / "target")
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
+    with pytest.raises(SystemExit, match="--draft-vocab needs the target's tokenizer"):
+        main(["train", "--target", str(tmp_path / "target"), "--data", str(data), "--out", str(out),
+              "--draft-vocab", "30", "--steps", "1"])  # fmt: skip
+    char_tokenizer().save_pretrained(tmp_path / "target")
     main(
         [
             "train",
