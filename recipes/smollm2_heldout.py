@@ -9,7 +9,6 @@ bfloat16 target, the same prompts for every draft. A run checkpoint is loaded as
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from hf_dspark import DSparkDraftModel
 from hf_dspark.embedded import load_target
 from hf_dspark.stats import DSparkStats
 from hf_dspark.training.data import left_pad
+from hf_dspark.training.trainer import saved_vocab
 
 
 def heldout_stats(target, draft, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8) -> DSparkStats:
@@ -59,8 +59,9 @@ def main() -> None:
     for name in args.run:
         run = STATE / name
         draft, step = load_run(target32, run, args.head, args.checkpoint)
-        if (run / "draft_vocab.json").is_file():
-            draft.set_draft_vocab(json.loads((run / "draft_vocab.json").read_text()))
+        vocab = saved_vocab(run)
+        if vocab is not None:
+            draft.set_draft_vocab(vocab)
         drafts[f"{name}@{step}"] = draft
     for name, draft in drafts.items():
         stats = heldout_stats(target, draft.attach(target).eval(), prompts, args.max_new_tokens)

@@ -33,6 +33,7 @@ from hf_dspark.cards import write_card
 from hf_dspark.embedded import DRAFT_DIR, load_target
 from hf_dspark.training.calibrate import calibrate_draft
 from hf_dspark.training.data import encode_prompt, frequent_tokens, load_dataset, mix_prompts, read_prompts
+from hf_dspark.training.trainer import saved_vocab
 
 
 def load_run(target, run: Path, head: str, checkpoint: int | None) -> tuple[DSparkDraftModel, int]:
@@ -99,9 +100,9 @@ def main() -> None:
     train_rows = [r for r in rows if not is_held_out(r)]
 
     shipped = draft.to(torch.bfloat16)
-    trained_vocab = run / "draft_vocab.json"  # a run trained over a draft vocabulary ships with exactly it
-    if trained_vocab.is_file():
-        shipped.set_draft_vocab(json.loads(trained_vocab.read_text()))
+    trained_vocab = saved_vocab(run)  # a run trained over a draft vocabulary ships with exactly it
+    if trained_vocab is not None:
+        shipped.set_draft_vocab(trained_vocab)
     elif args.draft_vocab:
         shipped.set_draft_vocab(frequent_tokens(train_rows, args.draft_vocab, always=tokenizer.all_special_ids))
     tmp = args.out.with_name(args.out.name + ".tmp")
@@ -120,7 +121,7 @@ def main() -> None:
         **({"history": args.note} if args.note else {}),
         "stored as": "bfloat16 safetensors (attached to a float32 target it runs in float32)",
         "draft vocabulary": f"{shipped.config.draft_vocab_size} tokens (the most frequent training-answer tokens +"
-        " special)" + (", trained over them" if trained_vocab.is_file() else "")
+        " special)" + (", trained over them" if trained_vocab is not None else "")
         if shipped.config.draft_vocab_size
         else "the whole vocabulary",
     }

@@ -89,10 +89,13 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
                 per[m.name]["rounds"] += m.draft.stats.rounds
         reference = outs["plain"].tolist()
         for name, out in outs.items():
-            per[name]["same"] += out.tolist() == reference
-            if out.tolist() != reference and not strict:
-                exact = exact if exact is not None else _upcast_copy(target)  # made on first need
-            if out.tolist() != reference and (strict or not parts_at_a_tie(target, out, outs["plain"], exact)):
+            same = out.tolist() == reference
+            per[name]["same"] += same
+            if same:
+                continue
+            if not strict and exact is None:
+                exact = _upcast_copy(target)  # made on the first mismatch only
+            if strict or not parts_at_a_tie(target, out, outs["plain"], exact):
                 raise RuntimeError(f"{name} produced a different greedy output than plain generate on prompt {i}")
     plain_time = sum(per["plain"]["seconds"])
     rows = []
