@@ -43,6 +43,11 @@ class DSparkConfig(PretrainedConfig):
             this package's loop, which verifies an [R, 1 + ℓ] block, so the planners choose whole columns and every
             row verifies up to ℓ; ``packed``: the paper's per-token Algorithm 1 (B = Σ_r (1 + ℓ_r)), right for
             engines with ragged kernels. Identical for one row.
+        lookup_max_ngram, lookup_min_ngram: lookup drafting (``hf_dspark.lookup``), off when
+            ``lookup_max_ngram`` is 0 (the default). On: each round, a row whose last n tokens (n from
+            ``lookup_max_ngram`` down to ``lookup_min_ngram``) occurred earlier in its history verifies the tokens
+            that followed them (as many as ``verify_limit`` / γ allows) instead of a drafted block; the draft
+            drafts for the other rows. Lossless either way.
     Training:
         loss_decay: position weights w_k = exp(-(k-1)/loss_decay); ``None`` means γ.
     """
@@ -81,6 +86,8 @@ class DSparkConfig(PretrainedConfig):
         confidence_threshold: float = 0.5,
         verify_limit: int | None = None,
         verify_layout: str = "padded",
+        lookup_max_ngram: int = 0,
+        lookup_min_ngram: int = 2,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -114,6 +121,8 @@ class DSparkConfig(PretrainedConfig):
         self.confidence_threshold = confidence_threshold
         self.verify_limit = verify_limit
         self.verify_layout = verify_layout
+        self.lookup_max_ngram = lookup_max_ngram
+        self.lookup_min_ngram = lookup_min_ngram
         self.initializer_range = initializer_range
         # `generate` compares vocab sizes of target and assistant before it reaches us: keep this one honest.
         kwargs.setdefault("vocab_size", target_vocab_size)
@@ -161,6 +170,7 @@ class DSparkConfig(PretrainedConfig):
             raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {self.verify_layout!r}")
         if self.verify_limit is not None and self.verify_limit < 0:
             raise ValueError(f"verify_limit must be >= 0, got {self.verify_limit}")
+        self.validate_lookup()
         if not 0 <= self.confidence_threshold <= 1:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.draft_vocab_size is not None and not (
@@ -173,6 +183,20 @@ class DSparkConfig(PretrainedConfig):
         if self.target_vocab_size is not None and self.mask_token_id is not None:
             if not 0 <= self.mask_token_id < self.target_vocab_size:
                 raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary")
+
+    def validate_lookup(self) -> None:
+        """Raise ``ValueError`` unless the lookup fields are off (``lookup_max_ngram`` = 0) or
+        1 <= ``lookup_min_ngram`` <= ``lookup_max_ngram`` (checked again by ``generate``: they may be changed on a
+        loaded draft)."""
+        if not isinstance(self.lookup_max_ngram, int) or self.lookup_max_ngram < 0:
+            raise ValueError(f"lookup_max_ngram must be an int >= 0 (0: off), got {self.lookup_max_ngram!r}")
+        if self.lookup_max_ngram and not (
+            isinstance(self.lookup_min_ngram, int) and 1 <= self.lookup_min_ngram <= self.lookup_max_ngram
+        ):
+            raise ValueError(
+                f"lookup_min_ngram must be an int between 1 and lookup_max_ngram ({self.lookup_max_ngram}), "
+                f"got {self.lookup_min_ngram!r}"
+            )
 
     @property
     def num_draft_tokens(self) -> int:

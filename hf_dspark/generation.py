@@ -3,6 +3,7 @@
     draft_block     one backbone pass for all rows, then the sequential head left to right -> tokens, q, c
     choose_lengths  how many draft tokens each row verifies (fixed γ, a confidence threshold, or the scheduler)
     draft_seconds   what one draft block costs; the scheduler prices each drafted round with it
+    lookups         lookup drafting (optional): rows whose last n-gram repeats verify what followed it instead
     verify_row      exact acceptance for one row -> accepted prefix + correction/bonus token
     dspark_decode   the loop: prefill, then draft, choose, verify (one target forward for all rows), commit
 
@@ -29,6 +30,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .configuration_dspark import VERIFY_LAYOUTS, VERIFY_MODES
 from .kernels import fused_head_step, fused_temperature, use_kernels
+from .lookup import lookup_continuation, one_hot_probs
 from .modeling_dspark import DSparkDraftModel
 from .scheduler import (
     ColumnPlan,
@@ -364,6 +366,18 @@ def column_plan(mode: str, layout: str, caps: list[int], sps, threshold: float) 
     return None
 
 
+def lookups(config, histories: list[torch.Tensor], room: list[int]) -> dict[int, torch.Tensor]:
+    """Lookup drafting for one round: {row: the continuation [k ≤ room[r]] it verifies}, for the rows with room
+    whose last n-gram occurred earlier in their history (``config.lookup_max_ngram`` down to ``lookup_min_ngram``)."""
+    found = {}
+    for r, h in enumerate(histories):
+        if room[r] > 0:
+            tokens = lookup_continuation(h, config.lookup_max_ngram, config.lookup_min_ngram, room[r])
+            if tokens.numel():
+                found[r] = tokens
+    return found
+
+
 def verify_row(draft_tokens, draft_probs, raw_logits, history, logits_processor, do_sample):
     """Exact acceptance for one row: draft_tokens [ℓ], draft_probs [ℓ, V] | None, raw target logits [ℓ+1, V],
     history [T] (the row's committed tokens) -> (n accepted, next token, processed target scores [ℓ+1, V])."""
@@ -427,6 +441,8 @@ def dspark_decode(
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []
     mode = resolve_verify_mode(draft)
+    draft.config.validate_lookup()  # the fields may have been changed on a loaded draft
+    lookup_on = draft.config.lookup_max_ngram > 0
     # the scheduler prices a drafted round as the draft block plus the verify step (sps: the verify step alone)
     priced = mode in ("scheduled", "async")
     sps, drafting, planning = _prices(draft, target, R, do_sample) if priced else (None, 0.0, None)
@@ -469,7 +485,10 @@ def dspark_decode(
     # --- rounds -------------------------------------------------------------------------------------------------
     while not all(finished):
         limit = min(gamma, draft.config.verify_limit if draft.config.verify_limit is not None else gamma)
-        caps = [0 if finished[r] or skip else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
+        room = [0 if finished[r] else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
+        # rows whose recent tokens repeat earlier ones verify what followed them instead of a drafted block
+        looked = lookups(draft.config, histories, room) if lookup_on else {}
+        caps = [0 if skip or r in looked else room[r] for r in range(R)]
         skip = max(skip - 1, 0)
         stats.round_rows.append([batch_rows[r] for r in range(R) if not finished[r]])
         # the plan grows column by column as the draft's slots come; drafting stops at the first column it closes on
@@ -491,20 +510,23 @@ def dspark_decode(
         if proposal.confidences is not None and proposal.confidences.shape[1]:
             conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
             if priced:
-                active = [r for r in range(R) if not finished[r]]
+                active = [r for r in range(R) if not finished[r] and r not in looked]
                 pays = drafting_pays(conf_history[-1][active], [lengths[r] for r in active], R, sps, drafting)
                 backoff = 0 if pays else min(2 * backoff or 1, MAX_BACKOFF)
                 skip = backoff
+        for r, found in looked.items():
+            lengths[r] = found.shape[0]
         stats.verify_rounds.append([lengths[r] for r in range(R) if not finished[r]])
 
         # verify: each active row's anchor + its ℓ_r draft tokens, one target forward for the whole batch
         W = max(lengths[r] + 1 for r in range(R) if not finished[r])
+        proposed = [looked.get(r, proposal.tokens[r, : lengths[r]]) for r in range(R)]
         block = torch.full((R, W), pad_id, dtype=torch.long, device=device)
         slot_valid = torch.zeros(R, W, dtype=torch.bool, device=device)
         for r in range(R):
             if not finished[r]:
                 block[r, 0] = histories[r][-1]
-                block[r, 1 : 1 + lengths[r]] = proposal.tokens[r, : lengths[r]]
+                block[r, 1 : 1 + lengths[r]] = proposed[r]
                 slot_valid[r, : lengths[r] + 1] = True
         block_positions = anchor_pos[:, None] + torch.arange(W, device=device)
         full_mask = torch.cat([cache_mask, slot_valid.long()], dim=1)
@@ -517,10 +539,12 @@ def dspark_decode(
                 continue
             ell = lengths[r]
             q = proposal.probs[r, :ell] if proposal.probs is not None else None
+            if r in looked and do_sample:
+                q = one_hot_probs(proposed[r], raw.shape[-1])
             n, nxt, target_scores = verify_row(
-                proposal.tokens[r, :ell], q, raw[r, : ell + 1], histories[r], logits_processor, do_sample
+                proposed[r], q, raw[r, : ell + 1], histories[r], logits_processor, do_sample
             )
-            new_tokens = torch.cat([proposal.tokens[r, :n], nxt[None]])
+            new_tokens = torch.cat([proposed[r][:n], nxt[None]])
             # commit token by token so stopping criteria (EOS, max_length, stop strings) cut exactly where plain
             # generate would have stopped
             committed = 0
@@ -534,8 +558,8 @@ def dspark_decode(
                 if bool(stopping_criteria(histories[r][None], target_scores[i : i + 1]).any()):
                     finished[r] = True
                     break
-            confs = proposal.confidences[r, :ell].tolist() if proposal.confidences is not None else None
-            stats.record(ell, n, committed, confs)
+            confs = None if proposal.confidences is None or r in looked else proposal.confidences[r, :ell].tolist()
+            stats.record(ell, n, committed, confs, looked_up=r in looked)
             if streamer is not None:
                 streamer.put(new_tokens[:committed].cpu())
             kept[r, : n + 1] = True

@@ -13,7 +13,9 @@ class DSparkStats:
     ``committed[i]``: tokens committed that round (n + 1 unless generation stopped inside the block).
     In a batch, every active row's verification in a round is one entry; ``verify_rounds`` keeps the verify
     lengths the scheduler chose per round (one list per round, one entry per active row) and ``round_rows`` the
-    batch indices of those rows (rows leave the batch when they finish).
+    batch indices of those rows (rows leave the batch when they finish). ``looked_up[i]`` says whether entry i
+    verified a lookup continuation (``DSparkConfig.lookup_max_ngram``) rather than the draft's block; τ and the
+    per-position acceptance count both kinds.
     """
 
     block_size: int
@@ -23,11 +25,14 @@ class DSparkStats:
     confidences: list[list[float]] = field(default_factory=list)
     verify_rounds: list[list[int]] = field(default_factory=list)  # per round: ℓ chosen for each active row
     round_rows: list[list[int]] = field(default_factory=list)  # per round: the batch index of each active row
+    looked_up: list[bool] = field(default_factory=list)  # per entry: verified a lookup continuation, not a draft
 
-    def record(self, proposed: int, accepted: int, committed: int, confidences: list[float] | None = None) -> None:
+    def record(self, proposed: int, accepted: int, committed: int, confidences: list[float] | None = None,
+               looked_up: bool = False) -> None:  # fmt: skip
         self.proposed.append(proposed)
         self.accepted.append(accepted)
         self.committed.append(committed)
+        self.looked_up.append(looked_up)
         if confidences is not None:
             self.confidences.append(confidences)
 
@@ -62,4 +67,5 @@ class DSparkStats:
             "committed": self.committed,
             "verify_rounds": self.verify_rounds,
             "round_rows": self.round_rows,
+            "looked_up": self.looked_up,
         }

@@ -1,0 +1,199 @@
+"""Lookup drafting: the n-gram matcher by hand, the config checks, and decoding with it stays exactly the target's
+(greedy token for token, one row and batched; sampling by a chi-square test)."""
+
+import pytest
+import torch
+from conftest import tiny_target
+from test_batched import PAD, PROMPTS, left_pad
+from test_sampling import CASES, PROMPT, _processors, chi_square_pvalue, exact_distribution, sample_counts
+
+from hf_dspark import DSparkConfig, DSparkDraftModel
+from hf_dspark.lookup import lookup_continuation, one_hot_probs
+from hf_dspark.scheduler import SPSProfile
+
+
+def _lookup(history, max_ngram=2, min_ngram=1, max_tokens=8):
+    return lookup_continuation(torch.tensor(history), max_ngram, min_ngram, max_tokens).tolist()
+
+
+@pytest.mark.parametrize(
+    ("history", "max_ngram", "min_ngram", "max_tokens", "expected"),
+    [
+        ([1, 2, 3, 4, 1, 2], 2, 1, 3, [3, 4, 1]),  # the bigram (1, 2) occurred at 0
+        ([1, 2, 5, 1, 2, 7, 1, 2], 2, 1, 3, [7, 1, 2]),  # the latest earlier occurrence wins
+        ([9, 2, 5, 3, 2, 6, 9, 2], 2, 1, 6, [5, 3, 2, 6, 9, 2]),  # a bigram match beats a later unigram one
+        ([9, 2, 5, 3, 2, 6, 9, 2], 1, 1, 3, [6, 9, 2]),  # unigrams only: the latest earlier 2
+        ([9, 2, 5, 3, 2, 6, 8, 2], 2, 2, 8, []),  # (8, 2) never occurred and unigrams are not allowed
+        ([1, 2, 1], 2, 1, 5, [2, 1, 2, 1, 2]),  # a repeat 2 tokens back: period 2, proposed in full
+        ([4, 1, 2, 3, 1, 2], 2, 1, 7, [3, 1, 2, 3, 1, 2, 3]),  # period 3
+        ([1, 1, 1, 1], 3, 1, 2, [1, 1]),  # max_tokens caps it
+        ([4, 5, 6], 2, 1, 8, []),  # nothing repeats
+        ([7], 2, 1, 8, []),  # a single token has no earlier n-gram
+        ([1, 2, 1], 2, 1, 0, []),  # no room
+    ],
+)
+def test_lookup_continuation_by_hand(history, max_ngram, min_ngram, max_tokens, expected):
+    assert _lookup(history, max_ngram, min_ngram, max_tokens) == expected
+
+
+@pytest.mark.parametrize(("max_ngram", "min_ngram"), [(2, 0), (1, 2)])
+def test_lookup_continuation_refuses_bad_ngram_sizes(max_ngram, min_ngram):
+    with pytest.raises(ValueError, match="min_ngram"):
+        lookup_continuation(torch.tensor([1, 2, 1]), max_ngram, min_ngram, 4)
+
+
+def test_one_hot_probs():
+    q = one_hot_probs(torch.tensor([2, 0]), 4)
+    assert q.dtype == torch.float32 and q.tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"lookup_max_ngram": -1}, "lookup_max_ngram must be an int >= 0"),
+        ({"lookup_max_ngram": 2, "lookup_min_ngram": 3}, r"lookup_min_ngram must be an int between 1 and .*\(2\)"),
+        ({"lookup_max_ngram": 2, "lookup_min_ngram": 0}, "lookup_min_ngram must be an int between 1"),
+    ],
+)
+def test_config_refuses_bad_lookup_fields(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DSparkConfig(**fields)
+
+
+def test_generate_refuses_bad_lookup_fields_set_on_a_loaded_draft():
+    target = tiny_target()
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 5
+    with pytest.raises(ValueError, match="lookup_min_ngram"):
+        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, assistant_model=draft)
+
+
+def test_lookup_fields_survive_save_and_load(tmp_path):
+    target = tiny_target()
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 3, 1
+    draft.save_pretrained(tmp_path)
+    loaded = DSparkConfig.from_pretrained(tmp_path)
+    assert (loaded.lookup_max_ngram, loaded.lookup_min_ngram) == (3, 1)
+    assert DSparkConfig().lookup_max_ngram == 0  # off unless asked for
+
+
+# a prompt that repeats itself, so lookups match from the first round on
+REPEATING = torch.tensor([[5, 17, 33, 2, 9, 41, 8, 5, 17, 33, 2, 9]])
+
+
+@pytest.mark.parametrize("mode", ["fixed", "scheduled"])
+@pytest.mark.parametrize("min_ngram", [1, 2])
+def test_greedy_with_lookup_equals_plain_greedy(mode, min_ngram):
+    target = tiny_target(dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.verify_mode = mode
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
+    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 3, min_ngram
+    for ids in (REPEATING, torch.tensor([[40, 3, 77, 12]])):
+        ref = target.generate(ids, max_new_tokens=40, do_sample=False)
+        out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=draft)
+        assert out.tolist() == ref.tolist()
+        stats = draft.stats
+        assert sum(stats.committed) == 39
+        assert len(stats.looked_up) == stats.rounds
+        # both kinds of round happened, and lookups were not only proposed but accepted
+        assert any(stats.looked_up) and not all(stats.looked_up)
+        assert sum(a for a, lk in zip(stats.accepted, stats.looked_up, strict=True) if lk) > 0
+        # a looked-up round records no confidences: they stay one list per drafted verification
+        assert len(stats.confidences) == stats.looked_up.count(False)
+
+
+def test_a_round_where_every_row_looks_up_does_not_draft(monkeypatch):
+    import hf_dspark.generation as generation
+
+    target = tiny_target(dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.verify_mode = "fixed"
+    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
+    drafted = []
+    original = generation.draft_block
+
+    def spy(draft_, context, histories, anchor_positions, max_tokens, *args, **kwargs):
+        drafted.append(max_tokens)
+        return original(draft_, context, histories, anchor_positions, max_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "draft_block", spy)
+    target.generate(REPEATING, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    stats = draft.stats
+    # one draft_block call per round, asked for nothing when the row looked up, else for what it verifies (fixed)
+    assert drafted == [0 if lk else p for p, lk in zip(stats.proposed, stats.looked_up, strict=True)]
+    assert any(stats.looked_up) and 4 in drafted
+
+
+@pytest.mark.parametrize("mode", ["fixed", "scheduled"])
+def test_batched_greedy_with_lookup_equals_per_row_plain_greedy(mode):
+    target = tiny_target(dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.verify_mode = mode
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
+    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
+    prompts = [*PROMPTS, REPEATING[0].tolist()]
+    refs = [target.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p) :] for p in prompts]
+    ids, mask = left_pad(prompts)
+    out = target.generate(
+        ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD, assistant_model=draft
+    )
+    for r, ref in enumerate(refs):
+        assert out[r, ids.shape[1] :].tolist() == ref.tolist(), f"row {r}"
+    # some rounds mixed looked-up rows and drafted rows
+    flags = iter(draft.stats.looked_up)
+    mixed = [{next(flags) for _ in rnd} for rnd in draft.stats.verify_rounds]
+    assert {True, False} in mixed
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target():
+    torch.set_num_threads(1)
+    return tiny_target("llama", vocab_size=6, dtype=torch.float64, seed=3, tie_word_embeddings=False)
+
+
+def test_sampling_with_lookup_matches_target_distribution(small_vocab_target):
+    """With six tokens, unigram lookups match almost every round; the samples still follow the target's processed
+    distribution, and looked-up tokens were both accepted and rejected (the one-hot q is exercised)."""
+    target, kw = small_vocab_target, CASES["top-k-top-p"]
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
+    draft.config.verify_mode = "fixed"
+    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
+    looked = {"proposed": 0, "accepted": 0}
+    probs = exact_distribution(target, _processors(kw["temperature"], kw["top_k"], kw["top_p"]))
+    counts = {}
+    torch.manual_seed(7)
+    for _ in range(1500):
+        out = target.generate(PROMPT, max_new_tokens=6, do_sample=True, assistant_model=draft, **kw)
+        key = tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        s = draft.stats
+        looked["proposed"] += sum(p for p, lk in zip(s.proposed, s.looked_up, strict=True) if lk)
+        looked["accepted"] += sum(a for a, lk in zip(s.accepted, s.looked_up, strict=True) if lk)
+    assert chi_square_pvalue(counts, probs) > 1e-3
+    assert 0 < looked["accepted"] < looked["proposed"]
+
+
+def test_sampling_test_sees_a_lookup_accepted_without_the_ratio_test(small_vocab_target, monkeypatch):
+    """Treating a looked-up token as always accepted (q = p, no test) is caught by the same check."""
+    import hf_dspark.generation as generation
+
+    # a looked-up row then reaches the acceptance rule with q = None, and the broken rule accepts it untested
+    monkeypatch.setattr(generation, "one_hot_probs", lambda tokens, vocab: None)
+    original = generation.rejection_sample
+
+    def lenient(draft_tokens, draft_probs, target_probs, generator=None):
+        if draft_probs is None and draft_tokens.shape[0]:
+            n = draft_tokens.shape[0]
+            return n, torch.multinomial(target_probs[n], 1)[0]
+        return original(draft_tokens, draft_probs, target_probs, generator)
+
+    monkeypatch.setattr(generation, "rejection_sample", lenient)
+    target, kw = small_vocab_target, CASES["top-k-top-p"]
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
+    draft.config.verify_mode = "fixed"
+    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
+    probs = exact_distribution(target, _processors(kw["temperature"], kw["top_k"], kw["top_p"]))
+    counts = sample_counts(target, draft, kw, n=600)
+    assert chi_square_pvalue(counts, probs) < 1e-6
