@@ -155,7 +155,7 @@ def cmd_bench(args) -> None:
 
     target, tokenizer = load_target(args.target, args.dtype)
     drafts = _load_drafts(args.draft, target)
-    methods = standard_methods(target, drafts, tuple(args.gammas))
+    methods = standard_methods(target, drafts, tuple(args.gammas), args.lookup, args.lookup_min)
     results = [bench(target, tokenizer, methods, name, args.limit, args.max_new_tokens) for name in args.datasets]
     _write_results(Path(args.out), "bench", results, markdown_table(results))
     plot_speedups(results, Path(args.out) / "speedup.png")
@@ -284,7 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gammas", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--gammas", type=int, nargs="*", default=[4, 8, 16], help="fixed verify lengths (none: skip)")
+    p.add_argument("--lookup", type=int, default=0, metavar="N",
+                   help="also run each draft with lookup drafting, n-grams of N to --lookup-min tokens")  # fmt: skip
+    p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--out", default="bench-results")
     p.set_defaults(func=cmd_bench)
 

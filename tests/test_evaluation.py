@@ -99,15 +99,15 @@ def test_cli_bench_end_to_end(tmp_path):
     out = tmp_path / "out"
     main(["bench", "--target", str(tmp_path / "target"), "--draft", f"markov={tmp_path / 'markov'}",
           f"none={tmp_path / 'none'}", "--datasets", "humaneval", "--limit", "2", "--max-new-tokens", "10",
-          "--gammas", "2", "4", "8", "--out", str(out)])  # fmt: skip
+          "--gammas", "2", "4", "8", "--lookup", "3", "--lookup-min", "1", "--out", str(out)])  # fmt: skip
     (result,) = json.loads((out / "bench.json").read_text())
     names = [m["method"] for m in result["methods"]]
     assert names == ["plain", "prompt-lookup", "markov-fixed2", "markov-fixed4", "markov-scheduled",
-                     "none-fixed2", "none-fixed4"]  # fmt: skip
+                     "markov-scheduled+lookup", "none-fixed2", "none-fixed4", "none-fixed+lookup"]  # fmt: skip
     plain = result["methods"][0]
     assert plain["speedup"] == 1.0 and plain["tau"] is None
     assert all(m["tau"] >= 1.0 for m in result["methods"][2:]) and all(m["tok_per_s"] > 0 for m in result["methods"])
-    assert (out / "bench.md").read_text().count("| humaneval |") == 7
+    assert (out / "bench.md").read_text().count("| humaneval |") == 9
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -197,3 +197,20 @@ def test_sampling_test_sees_a_lookup_accepted_without_the_ratio_test(small_vocab
     probs = exact_distribution(target, _processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw, n=600)
     assert chi_square_pvalue(counts, probs) < 1e-6
+
+
+def test_bench_methods_set_their_own_lookup_fields_on_the_shared_draft():
+    """Bench methods share one draft: a plain DSpark method run after a lookup one must not inherit lookup."""
+    from hf_dspark.evaluation.bench import standard_methods
+
+    target = tiny_target(dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
+    methods = {m.name: m for m in standard_methods(target, {"d": draft}, gammas=(), lookup=3, lookup_min=1)}
+    assert list(methods) == ["plain", "prompt-lookup", "d-scheduled", "d-scheduled+lookup"]
+    ref = target.generate(REPEATING, max_new_tokens=20, do_sample=False)
+    for name in ["d-scheduled+lookup", "d-scheduled", "d-scheduled+lookup"]:
+        out = methods[name].run(REPEATING, max_new_tokens=20, do_sample=False)
+        assert out.tolist() == ref.tolist()
+        assert any(draft.stats.looked_up) == name.endswith("+lookup")
+        assert (draft.config.lookup_max_ngram, draft.config.lookup_min_ngram) == ((3, 1) if "+" in name else (0, 1))

@@ -34,17 +34,23 @@ class Method:
     draft: object | None = None
 
 
-def standard_methods(target, drafts: dict[str, object], gammas: tuple[int, ...] = (4, 8, 16)) -> list[Method]:
+def standard_methods(
+    target, drafts: dict[str, object], gammas: tuple[int, ...] = (4, 8, 16), lookup: int = 0, lookup_min: int = 2
+) -> list[Method]:
     """Plain ``generate``, transformers' prompt lookup, and for each named draft: fixed γ (≤ its block size, via
-    ``verify_limit``) and ``scheduled`` (when it has a confidence head)."""
+    ``verify_limit``) and ``scheduled`` (when it has a confidence head); with ``lookup`` > 0 also the draft's best
+    mode (scheduled, else fixed at its block size) with lookup drafting over n-grams of ``lookup`` down to
+    ``lookup_min`` tokens (``{label}-scheduled+lookup``)."""
     methods = [
         Method("plain", lambda ids, **kw: target.generate(ids, **kw)),
         Method("prompt-lookup", lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=10, **kw)),
     ]
 
-    def dspark(draft, mode, limit):
+    def dspark(draft, mode, limit, max_ngram=0):
         def run(ids, **kw):
+            # the methods share one draft object: every run sets every field it depends on
             draft.config.verify_mode, draft.config.verify_limit = mode, limit
+            draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = max_ngram, lookup_min
             return target.generate(ids, assistant_model=draft, **kw)
 
         return run
@@ -55,6 +61,9 @@ def standard_methods(target, drafts: dict[str, object], gammas: tuple[int, ...] 
                 methods.append(Method(f"{label}-fixed{g}", dspark(draft, "fixed", g), draft))
         if draft.confidence is not None:
             methods.append(Method(f"{label}-scheduled", dspark(draft, "scheduled", None), draft))
+        if lookup:
+            mode = "scheduled" if draft.confidence is not None else "fixed"
+            methods.append(Method(f"{label}-{mode}+lookup", dspark(draft, mode, None, lookup), draft))
     return methods
 
 
