@@ -60,6 +60,7 @@ def coloured(tokenizer, rounds: list[list[int]]) -> str:
 def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
     """The Blocks app for one target/draft pair. API name of the comparison: ``/compare``."""
     max_context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    lookup_n = draft.config.lookup_max_ngram or 3  # what the lookup checkbox turns on: the draft's own N if it has one
 
     def stream(ids, assistant, gen_kwargs):
         text_streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -78,7 +79,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
         thread.start()
         return text_streamer, recorder, thread, result
 
-    def compare(prompt, sampling, temperature, max_new_tokens, gamma, mode, head_on=True):
+    def compare(prompt, sampling, temperature, max_new_tokens, gamma, mode, head_on=True, lookup=False):
         if not prompt or not prompt.strip():
             raise gr.Error("Please enter a prompt.")
         ids = tokenizer.apply_chat_template(
@@ -95,6 +96,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
         draft.config.verify_mode = mode
         draft.config.verify_limit = int(gamma)
         draft.head_enabled = bool(head_on)
+        draft.config.lookup_max_ngram = lookup_n if lookup else 0
         plain_text = dspark_html = ""
 
         def live(name, recorder, t0):
@@ -120,6 +122,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
             f"**plain** {n_plain / plain['seconds']:.1f} tok/s · **DSpark** {n_fast / fast['seconds']:.1f} tok/s · "
             f"**speedup** {plain['seconds'] / fast['seconds'] * n_fast / max(n_plain, 1):.2f}× · "
             f"**τ** {stats.tau:.2f} tokens/round over {stats.rounds} rounds"
+            + (f" ({sum(stats.looked_up)} looked up)" if lookup else "")
         )
         acc = stats.position_acceptance()
         chart = {
@@ -143,6 +146,8 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
             mode = gr.Dropdown(modes, value=modes[-2] if len(modes) > 1 else "fixed", label="verify mode")
             head_on = gr.Checkbox(label="sequential head", value=draft.sequential_head is not None,
                                   interactive=draft.sequential_head is not None)  # fmt: skip
+            lookup = gr.Checkbox(label="lookup drafting (verify repeats of the text)",
+                                 value=draft.config.lookup_max_ngram > 0)  # fmt: skip
         button = gr.Button("Generate", variant="primary", elem_id="generate")
         with gr.Row():
             plain_out = gr.Textbox(label="plain generate", lines=12, elem_id="plain")
@@ -151,7 +156,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
         stats = gr.Markdown(elem_id="stats")
         chart = gr.BarPlot(x="position", y="acceptance", title="acceptance by block position (last run)",
                            y_lim=[0, 1])  # fmt: skip
-        button.click(compare, [prompt, sampling, temperature, max_new, gamma, mode, head_on],
+        button.click(compare, [prompt, sampling, temperature, max_new, gamma, mode, head_on, lookup],
                      [plain_out, dspark_out, stats, chart], api_name="compare")  # fmt: skip
     return demo
 

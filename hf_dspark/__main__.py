@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has native bf16 units, else float32")  # fmt: skip
+    ap.add_argument("--lookup", type=int, default=None, metavar="N",
+                    help="lookup drafting, n-grams of N..2 tokens (0: off; default: the draft's config)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,7 +62,13 @@ def main(argv: list[str] | None = None) -> None:
             "      Its output is still exactly the target's (DSpark is lossless), but expect a slowdown, not a speedup."
         )
 
-    total = {"plain": 0.0, "dspark": 0.0, "tokens": 0, "rounds": 0, "committed": 0, "identical": 0}
+    if args.lookup is not None:
+        draft.config.lookup_max_ngram = args.lookup
+    draft.config.validate_lookup()
+    lookup = draft.config.lookup_max_ngram
+    print(f"lookup drafting: n-grams of {lookup} to {draft.config.lookup_min_ngram} tokens" if lookup else
+          "lookup drafting: off")  # fmt: skip
+    total = {"plain": 0.0, "dspark": 0.0, "tokens": 0, "rounds": 0, "committed": 0, "identical": 0, "looked_up": 0}
     for i, text in enumerate(_prompts(args.prompts, args.limit)):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
@@ -80,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         total["tokens"] += n
         total["rounds"] += draft.stats.rounds
         total["committed"] += sum(draft.stats.committed)
+        total["looked_up"] += sum(draft.stats.looked_up)
         print(
             f"[{i}] {n} tokens  plain {n / (t1 - t0):6.1f} tok/s  dspark {n / (t2 - t1):6.1f} tok/s  "
             f"tau {draft.stats.tau:4.2f}  speedup {(t1 - t0) / (t2 - t1):4.2f}x  identical={same}"
@@ -92,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         f"overall: plain {total['tokens'] / total['plain']:.1f} tok/s, dspark {total['tokens'] / total['dspark']:.1f} "
         f"tok/s, tau {tau:.2f}, speedup {total['plain'] / total['dspark']:.2f}x, "
         f"{total['identical']}/{i + 1} outputs identical to plain greedy"
+        + (f", {total['looked_up']}/{total['rounds']} rounds looked up" if lookup else "")
     )
     if not exact and total["identical"] <= i:
         print(

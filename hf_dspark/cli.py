@@ -140,7 +140,7 @@ def cmd_eval(args) -> None:
         if args.verify_mode:
             draft.config.verify_mode = args.verify_mode
     results = [
-        evaluate(target, tokenizer, draft, name, args.limit, args.max_new_tokens, temperature, label=label)
+        evaluate(target, tokenizer, draft, name, args.limit, args.max_new_tokens, temperature, label, args.lookup)
         for label, draft in drafts.items()
         for name in args.datasets
         for temperature in args.temperatures
@@ -273,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 means greedy")
     p.add_argument("--verify-mode", default=None, choices=["fixed", "threshold", "scheduled", "async"])
+    p.add_argument("--lookup", type=int, default=0, metavar="N",
+                   help="decode with lookup drafting, n-grams of N tokens (default 0: the draft alone)")  # fmt: skip
     p.add_argument("--out", default="eval-results")
     p.set_defaults(func=cmd_eval)
 

@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="threads the run trained with (for training.json)")
     ap.add_argument("--name", default="hf-dspark/smollm2-135m-instruct-dspark", help="repository name in the card")
     ap.add_argument("--note", default=None, help="how the run went, if not in one go (training.json 'history')")
+    ap.add_argument("--lookup", type=int, default=3, help="the shipped config's lookup_max_ngram (0: off)")
     args = ap.parse_args()
     if args.recalibrate:
         calibrate(args.out, args.calibration, args.blocks)
@@ -105,6 +106,7 @@ def main() -> None:
         shipped.set_draft_vocab(trained_vocab)
     elif args.draft_vocab:
         shipped.set_draft_vocab(frequent_tokens(train_rows, args.draft_vocab, always=tokenizer.all_special_ids))
+    shipped.config.lookup_max_ngram = args.lookup  # lookup drafting on by default (README: Lookup drafting)
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shipped.save_pretrained(tmp)

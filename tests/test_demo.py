@@ -32,7 +32,7 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     assert demo.local_url.startswith("http://127.0.0.1:")
     client = Client(demo.local_url, verbose=False)
     plain, dspark_html, stats, chart = client.predict(
-        "hello there", False, 0.7, 16, 4, "fixed", True, api_name="/compare"
+        "hello there", False, 0.7, 16, 4, "fixed", True, False, api_name="/compare"
     )  # fmt: skip
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hello there"}], add_generation_prompt=True, return_tensors="pt"
@@ -51,8 +51,25 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     assert [row[0] for row in chart["data"]] == ["1", "2", "3", "4"]
     assert all(0.0 <= row[1] <= 1.0 for row in chart["data"])
     # with the sequential head switched off the output is still the target's
-    plain_off, dspark_off, _, _ = client.predict("hello there", False, 0.7, 16, 4, "fixed", False, api_name="/compare")
+    plain_off, dspark_off, _, _ = client.predict(
+        "hello there", False, 0.7, 16, 4, "fixed", False, False, api_name="/compare"
+    )  # fmt: skip
     assert plain_off == expected and html.unescape(re.sub(r"<[^>]+>", "", dspark_off)) == expected
+    assert "looked up" not in stats
+    # with lookup drafting on (the prompt repeats, so some rounds look up) the output is still the target's
+    repeating = "abc abc abc abc abc"
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": repeating}], add_generation_prompt=True, return_tensors="pt"
+    )["input_ids"]
+    expected = tokenizer.decode(
+        target.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :], skip_special_tokens=True
+    )
+    plain_lk, dspark_lk, stats_lk, _ = client.predict(
+        repeating, False, 0.7, 16, 4, "fixed", True, True, api_name="/compare"
+    )  # fmt: skip
+    assert plain_lk == expected and html.unescape(re.sub(r"<[^>]+>", "", dspark_lk)) == expected
+    looked = int(stats_lk.split(" looked up")[0].rsplit("(", 1)[1])
+    assert 0 < looked <= int(stats_lk.split(" rounds")[0].rsplit(" ", 1)[1])
 
 
 def test_api_errors_are_messages_not_traces(running_demo):
@@ -61,9 +78,9 @@ def test_api_errors_are_messages_not_traces(running_demo):
     demo, _, _ = running_demo
     client = Client(demo.local_url, verbose=False)
     with pytest.raises(Exception, match="Please enter a prompt"):
-        client.predict("   ", False, 0.7, 16, 4, "fixed", True, api_name="/compare")
+        client.predict("   ", False, 0.7, 16, 4, "fixed", True, False, api_name="/compare")
     with pytest.raises(Exception, match="exceeds the target's context of 256 tokens"):
-        client.predict("x" * 30, False, 0.7, 512, 4, "fixed", True, api_name="/compare")
+        client.predict("x" * 30, False, 0.7, 512, 4, "fixed", True, False, api_name="/compare")
 
 
 def test_browser_types_a_prompt_and_sees_both_outputs(running_demo, tmp_path):

@@ -214,3 +214,25 @@ def test_bench_methods_set_their_own_lookup_fields_on_the_shared_draft():
         assert out.tolist() == ref.tolist()
         assert any(draft.stats.looked_up) == name.endswith("+lookup")
         assert (draft.config.lookup_max_ngram, draft.config.lookup_min_ngram) == ((3, 1) if "+" in name else (0, 1))
+
+
+def test_eval_measures_the_draft_alone_unless_asked_for_lookup(tmp_path):
+    import json
+
+    from conftest import char_tokenizer
+
+    from hf_dspark.evaluation.evaluate import evaluate
+
+    target = tiny_target("llama", vocab_size=96, eos_token_id=1)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.verify_mode = "fixed"
+    draft.config.lookup_max_ngram = 3  # as the shipped draft's config has it
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["abcabcabcabc", "hello hello hello"]))
+    tok = char_tokenizer()
+    alone = evaluate(target, tok, draft, str(prompts), max_new_tokens=24, progress=False)
+    assert alone["lookup_max_ngram"] == 0 and not any(draft.stats.looked_up)
+    assert draft.config.lookup_max_ngram == 3  # restored
+    mixed = evaluate(target, tok, draft, str(prompts), max_new_tokens=24, lookup=2, progress=False)
+    assert mixed["lookup_max_ngram"] == 2 and any(draft.stats.looked_up)
+    assert draft.config.lookup_max_ngram == 3

@@ -76,3 +76,15 @@ def test_shipped_draft_loads_offline_and_matches_greedy_on_five_prompts(monkeypa
         assert out.tolist() == ref.tolist(), text[:80]
         committed, rounds = committed + sum(draft.stats.committed), rounds + draft.stats.rounds
     assert committed / rounds > 1.0  # trained: some draft tokens are accepted (an untrained draft gives 1.0)
+
+
+def test_main_command_with_lookup_drafting_equals_plain_greedy_in_float32(capsys):
+    """`python -m hf_dspark --lookup 3 --dtype float32`: the code prompt repeats itself, so some rounds look up;
+    in float32 the command itself stops on any output that differs from plain greedy."""
+    from hf_dspark.__main__ import main
+
+    main(["--limit", "1", "--max-new-tokens", "48", "--dtype", "float32", "--lookup", "3"])
+    overall = capsys.readouterr().out.splitlines()[-1]
+    assert "1/1 outputs identical to plain greedy" in overall
+    looked, rounds = (int(x) for x in overall.rsplit(", ", 1)[1].split(" rounds")[0].split("/"))
+    assert 0 < looked < rounds

@@ -82,13 +82,38 @@ def summarize(stats: list[DSparkStats], seconds: float = 0.0, new_tokens: int = 
 
 
 @torch.no_grad()
-def evaluate(target, tokenizer, draft, dataset: str, limit: int | None = None, max_new_tokens: int = 128,
-             temperature: float = 0.0, progress: bool = True, label: str = "dspark") -> dict:  # fmt: skip
+def evaluate(
+    target,
+    tokenizer,
+    draft,
+    dataset: str,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    label: str = "dspark",
+    lookup: int = 0,
+    progress: bool = True,
+) -> dict:
     """Run DSpark generation over ``dataset`` and return :func:`summarize` plus the settings (``label`` names the
-    draft in tables and plots)."""
+    draft in tables and plots). ``lookup``: the ``lookup_max_ngram`` to decode with; 0 (the default) measures the
+    draft alone, whatever its config says (restored afterwards)."""
+    prompts = load_prompts(dataset, limit)
+    saved_lookup, draft.config.lookup_max_ngram = draft.config.lookup_max_ngram, lookup
+    try:
+        draft.config.validate_lookup()
+        result = _evaluate(target, tokenizer, draft, prompts, dataset, max_new_tokens, temperature, progress)
+    finally:
+        draft.config.lookup_max_ngram = saved_lookup
+    result.update(draft=label, dataset=dataset, max_new_tokens=max_new_tokens, temperature=temperature,
+                  verify_mode=draft.config.verify_mode, block_size=draft.config.block_size, lookup_max_ngram=lookup,
+                  **run_context(target))  # fmt: skip
+    return result
+
+
+def _evaluate(target, tokenizer, draft, prompts, dataset, max_new_tokens, temperature, progress) -> dict:
+    """The generation loop of :func:`evaluate`: -> :func:`summarize` over the prompts."""
     from tqdm.auto import tqdm
 
-    prompts = load_prompts(dataset, limit)
     all_stats, seconds, tokens = [], 0.0, 0
     for text in tqdm(prompts, desc=f"eval {dataset}", disable=not progress):
         ids = tokenizer.apply_chat_template(
@@ -102,11 +127,7 @@ def evaluate(target, tokenizer, draft, dataset: str, limit: int | None = None, m
         seconds += time.perf_counter() - t0
         tokens += out.shape[1] - ids.shape[1]
         all_stats.append(draft.stats)
-    result = summarize(all_stats, seconds, tokens)
-    result.update(draft=label, dataset=dataset, max_new_tokens=max_new_tokens, temperature=temperature,
-                  verify_mode=draft.config.verify_mode, block_size=draft.config.block_size,
-                  **run_context(target))  # fmt: skip
-    return result
+    return summarize(all_stats, seconds, tokens)
 
 
 def markdown_table(results: list[dict]) -> str:
