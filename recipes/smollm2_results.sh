@@ -25,7 +25,7 @@ PYTHONPATH=. $PY benchmarks/scheduler_throughput.py --dtype "$DTYPE" --rows 1 4 
 $PY -m hf_dspark.cli eval --dtype "$DTYPE" --draft "${DRAFTS[@]}" --datasets "${SETS[@]}" \
     --limit "$LIMIT" --temperatures 0 --verify-mode fixed --out "$OUT"
 $PY -m hf_dspark.cli bench --dtype "$DTYPE" --draft "${DRAFTS[@]}" --datasets "${SETS[@]}" \
-    --limit "$LIMIT" --gammas 8 --out "$OUT"
+    --limit "$LIMIT" --gammas 8 --lookup 3 --out "$OUT"
 $PY -m hf_dspark.cli results --eval "$OUT/eval.json" --bench "$OUT/bench.json"
 cp "$OUT/eval.json" "$OUT/bench.json" "$DRAFT/"
 $PY -m hf_dspark.cli card --draft "$DRAFT" --name hf-dspark/smollm2-135m-instruct-dspark \

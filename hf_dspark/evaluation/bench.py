@@ -184,15 +184,17 @@ def plot_speedups(results: list[dict], path) -> None:
 
     names = [m["method"] for m in results[0]["methods"]]
     width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(results) * len(names) / 3), 4))
+    # a colour per method that no other method shares (tab10 repeats after ten), the legend beside the bars
+    colours = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(results) * len(names) / 3) + 2.5, 4))
     for j, name in enumerate(names):
         xs = [i + j * width for i in range(len(results))]
         ys = [next(m["speedup"] for m in r["methods"] if m["method"] == name) for r in results]
-        ax.bar(xs, ys, width, label=name)
+        ax.bar(xs, ys, width, label=name, color=colours[j % len(colours)])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))], [r["dataset"] for r in results])
     ax.set_ylabel("speedup vs plain generate")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
