@@ -235,6 +235,8 @@ def main() -> None:
         if folder is None:
             raise SystemExit("no trained draft ships yet: pass --draft DIR")
         draft = DSparkDraftModel.from_pretrained(folder, dtype=dtype).attach(target)
+        # the verify modes are compared on the draft's own proposals (the hindsight oracle patches those): no lookup
+        draft.config.lookup_max_ngram = 0
         gamma = draft.config.num_draft_tokens
         # the profiles generate uses: one per batch size, on the [R, 1 + ℓ] shapes it verifies, including the
         # power-of-two sizes a batch shrinks through as rows finish; measured before any timing starts
