@@ -26,8 +26,9 @@ from hf_dspark.training.trainer import saved_vocab
 
 
 def heldout_stats(target, draft, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8) -> DSparkStats:
-    """Every round of greedy fixed-mode decoding of ``prompts``, pooled into one :class:`DSparkStats`."""
-    draft.config.verify_mode = "fixed"
+    """Every round of greedy fixed-mode decoding of ``prompts`` by the draft alone (no lookup drafting, which a
+    shipped config may turn on), pooled into one :class:`DSparkStats`."""
+    draft.config.verify_mode, draft.config.lookup_max_ngram = "fixed", 0
     pooled = DSparkStats(draft.config.block_size)
     for i in range(0, len(prompts), batch_size):
         ids, mask = left_pad(prompts[i : i + batch_size], 2)

@@ -491,11 +491,13 @@ def test_decode_calibration_data_follows_the_rounds():
     ref = target.generate(ids, max_new_tokens=21, do_sample=False)
     Oracle(draft, ref, wrong_slots=(2,))
     draft.config.verify_mode, draft.config.sts_temperatures = "scheduled", [2.0] * 4
+    draft.config.lookup_max_ngram = 2  # as a shipped config may have it: calibration decodes with the draft alone
     raw = []
     original = draft.confidence.logit
     draft.confidence.logit = lambda h, f: raw.append(original(h, f)) or raw[-1]
     logits, accepted = collect_decode_confidence(target, draft, [ids[0].tolist()], max_new_tokens=21, batch_size=1)
     assert draft.config.verify_mode == "scheduled" and draft.config.sts_temperatures == [2.0] * 4  # restored
+    assert draft.config.lookup_max_ngram == 2 and not any(draft.stats.looked_up)
     full = [i for i, p in enumerate(draft.stats.proposed) if p == 4]
     assert len(full) >= 5 and logits.shape == accepted.shape == (len(full), 4)
     assert accepted.tolist() == [[1.0, 1.0, 0.0, 0.0]] * len(full)  # the oracle is wrong at slot 2 only

@@ -56,7 +56,8 @@ def collect_decode_confidence(
     batch_size: int = 8,
     blocks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy DSpark decoding of ``prompts`` (token ids, chat template applied) with ``verify_mode="fixed"``:
+    """Greedy DSpark decoding of ``prompts`` (token ids, chat template applied) with ``verify_mode="fixed"`` and
+    lookup drafting off:
     -> (confidence logits [N, γ], acceptance [N, γ]), one row per verified full block.
 
     In a round that accepted n of γ tokens, acceptance is 1 at slots < n and 0 from slot n on (slots after the first
@@ -69,8 +70,9 @@ def collect_decode_confidence(
     if not prompts:
         raise ValueError("no prompts to decode")
     gamma = draft.config.num_draft_tokens
-    saved = draft.config.verify_mode, draft.config.sts_temperatures
-    draft.config.verify_mode, draft.config.sts_temperatures = "fixed", None
+    # the draft's own blocks, every one verified whole: no scheduling, no lookup drafting, raw confidences
+    saved = draft.config.verify_mode, draft.config.sts_temperatures, draft.config.lookup_max_ngram
+    draft.config.verify_mode, draft.config.sts_temperatures, draft.config.lookup_max_ngram = "fixed", None, 0
     pad = target.generation_config.pad_token_id
     pad = pad if pad is not None else 0
     device = next(target.parameters()).device
@@ -92,7 +94,7 @@ def collect_decode_confidence(
             if blocks is not None and len(logits) >= blocks:
                 break
     finally:
-        draft.config.verify_mode, draft.config.sts_temperatures = saved
+        draft.config.verify_mode, draft.config.sts_temperatures, draft.config.lookup_max_ngram = saved
     if not logits:
         raise ValueError(f"no full block of {gamma} was verified: use longer generations (max_new_tokens)")
     return torch.stack(logits)[:blocks], torch.stack(accepted)[:blocks]
