@@ -107,6 +107,9 @@ def test_cli_bench_end_to_end(tmp_path):
     plain = result["methods"][0]
     assert plain["speedup"] == 1.0 and plain["tau"] is None
     assert all(m["tau"] >= 1.0 for m in result["methods"][2:]) and all(m["tok_per_s"] > 0 for m in result["methods"])
+    rates = {m["method"]: m["lookup_rate"] for m in result["methods"]}
+    assert rates["plain"] is None and rates["markov-scheduled"] == rates["none-fixed4"] == 0.0
+    assert 0.0 <= rates["markov-scheduled+lookup"] <= 1.0
     assert (out / "bench.md").read_text().count("| humaneval |") == 9
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
 

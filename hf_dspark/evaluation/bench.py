@@ -75,7 +75,8 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
 
     prompts = load_prompts(dataset, limit)
     strict = target.dtype in (torch.float32, torch.float64)
-    per = {m.name: {"seconds": [], "tokens": [], "committed": 0, "rounds": 0, "same": 0} for m in methods}
+    per = {m.name: {"seconds": [], "tokens": [], "committed": 0, "rounds": 0, "looked_up": 0, "same": 0}
+           for m in methods}  # fmt: skip
     exact = None  # a float32 copy of a low-precision target, for the tie check
     for m in methods:  # the scheduler's SPS profile and draft cost, measured (or loaded) before any timing
         if m.draft is not None and m.draft.confidence is not None:
@@ -96,6 +97,7 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
             if m.draft is not None:
                 per[m.name]["committed"] += sum(m.draft.stats.committed)
                 per[m.name]["rounds"] += m.draft.stats.rounds
+                per[m.name]["looked_up"] += sum(m.draft.stats.looked_up)
         reference = outs["plain"].tolist()
         for name, out in outs.items():
             same = out.tolist() == reference
@@ -117,6 +119,7 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
             "tok_per_s": sum(p["tokens"]) / sum(p["seconds"]),
             "speedup": plain_time / sum(p["seconds"]),
             "tau": p["committed"] / p["rounds"] if p["rounds"] else None,
+            "lookup_rate": p["looked_up"] / p["rounds"] if p["rounds"] else None,  # rounds that verified a lookup
             "same_as_plain": p["same"],
         })  # fmt: skip
     return {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "methods": rows,
