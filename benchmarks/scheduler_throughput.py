@@ -113,7 +113,7 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: in
     eos = tokenizer.eos_token_id
     modes = {"plain": None, **{f"fixed-{g}": ("fixed", g) for g in (2, 4, 8) if g <= gamma},
              "scheduled": ("scheduled", None), "scheduled-packed": ("scheduled", None), "async": ("async", None),
-             "oracle": ("fixed", None)}  # fmt: skip
+             "oracle": ("fixed", None), "scheduled+lookup": ("scheduled", None)}  # fmt: skip
     totals = {name: {"tokens": 0, "seconds": 0.0, "committed": 0, "rounds": 0, "budget": [], "passes": []}
               for name in modes}  # fmt: skip
     references, diverged = [None] * n_batches, [set() for _ in range(n_batches)]
@@ -130,6 +130,8 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: in
                 else:
                     draft.config.verify_mode, draft.config.verify_limit = setting
                     draft.config.verify_layout = "packed" if name.endswith("-packed") else "padded"
+                    # the shipped config's lookup drafting, for its own row only: the others compare verify modes
+                    draft.config.lookup_max_ngram = 3 if name.endswith("+lookup") else 0
                     with hindsight(references[b], diverged[b]) if name == "oracle" else nullcontext():
                         out = target.generate(ids, assistant_model=draft, **kw)
                 seconds, tokens = time.perf_counter() - t0, count_new(out, ids.shape[1], eos)
@@ -235,8 +237,6 @@ def main() -> None:
         if folder is None:
             raise SystemExit("no trained draft ships yet: pass --draft DIR")
         draft = DSparkDraftModel.from_pretrained(folder, dtype=dtype).attach(target)
-        # the verify modes are compared on the draft's own proposals (the hindsight oracle patches those): no lookup
-        draft.config.lookup_max_ngram = 0
         gamma = draft.config.num_draft_tokens
         # the profiles generate uses: one per batch size, on the [R, 1 + ℓ] shapes it verifies, including the
         # power-of-two sizes a batch shrinks through as rows finish; measured before any timing starts
