@@ -44,10 +44,10 @@ class DSparkConfig(PretrainedConfig):
             row verifies up to ℓ; ``packed``: the paper's per-token Algorithm 1 (B = Σ_r (1 + ℓ_r)), right for
             engines with ragged kernels. Identical for one row.
         lookup_max_ngram, lookup_min_ngram: lookup drafting (``hf_dspark.lookup``), off when
-            ``lookup_max_ngram`` is 0 (the default). On: each round, a row whose last n tokens (n from
-            ``lookup_max_ngram`` down to ``lookup_min_ngram``) occurred earlier in its history verifies the tokens
-            that followed them (as many as ``verify_limit`` / γ allows) instead of a drafted block; the draft
-            drafts for the other rows. Lossless either way.
+            ``lookup_max_ngram`` is 0 (the default). On: in each round with one row running (a single prompt, or
+            the last row of a batch), if the row's last n tokens (n from ``lookup_max_ngram`` down to
+            ``lookup_min_ngram``) occurred earlier in its history, it verifies the tokens that followed them (as
+            many as ``verify_limit`` / γ allows) instead of a drafted block. Lossless either way.
     Training:
         loss_decay: position weights w_k = exp(-(k-1)/loss_decay); ``None`` means γ.
     """
