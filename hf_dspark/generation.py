@@ -489,8 +489,8 @@ def dspark_decode(
         # a row whose recent tokens repeat earlier ones verifies what followed them instead of a drafted block, when
         # it is the only row running: in a batch every row shares the verify block's width, and lookups, which no
         # plan prices, widened it past what the scheduler pays for (R = 4: 58 tok/s against 67 scheduled)
-        one_row = sum(not f for f in finished) == 1
-        looked = lookups(draft.config, histories, room) if lookup_on and one_row else {}
+        alone = lookup_on and sum(not f for f in finished) == 1
+        looked = lookups(draft.config, histories, room) if alone else {}
         caps = [0 if skip or r in looked else room[r] for r in range(R)]
         skip = max(skip - 1, 0)
         stats.round_rows.append([batch_rows[r] for r in range(R) if not finished[r]])
@@ -541,9 +541,10 @@ def dspark_decode(
             if finished[r]:
                 continue
             ell = lengths[r]
-            q = proposal.probs[r, :ell] if proposal.probs is not None else None
-            if r in looked and do_sample:
-                q = one_hot_probs(proposed[r], raw.shape[-1])
+            if r in looked:  # a deterministic proposal: q is one-hot (greedy needs no q)
+                q = one_hot_probs(proposed[r], raw.shape[-1]) if do_sample else None
+            else:
+                q = proposal.probs[r, :ell] if proposal.probs is not None else None
             n, nxt, target_scores = verify_row(
                 proposed[r], q, raw[r, : ell + 1], histories[r], logits_processor, do_sample
             )

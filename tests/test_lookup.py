@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import tiny_target
 from test_batched import PAD, PROMPTS, left_pad
-from test_sampling import CASES, PROMPT, _processors, chi_square_pvalue, exact_distribution, sample_counts
+from test_sampling import CASES, _processors, chi_square_pvalue, exact_distribution, sample_counts
 
 from hf_dspark import DSparkConfig, DSparkDraftModel
 from hf_dspark.lookup import lookup_continuation, one_hot_probs
@@ -171,19 +171,10 @@ def test_sampling_with_lookup_matches_target_distribution(small_vocab_target):
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
     draft.config.verify_mode = "fixed"
     draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
-    looked = {"proposed": 0, "accepted": 0}
     probs = exact_distribution(target, _processors(kw["temperature"], kw["top_k"], kw["top_p"]))
-    counts = {}
-    torch.manual_seed(7)
-    for _ in range(1500):
-        out = target.generate(PROMPT, max_new_tokens=6, do_sample=True, assistant_model=draft, **kw)
-        key = tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        s = draft.stats
-        looked["proposed"] += sum(p for p, lk in zip(s.proposed, s.looked_up, strict=True) if lk)
-        looked["accepted"] += sum(a for a, lk in zip(s.accepted, s.looked_up, strict=True) if lk)
+    counts = sample_counts(target, draft, kw, seed=7)
     assert chi_square_pvalue(counts, probs) > 1e-3
-    assert 0 < looked["accepted"] < looked["proposed"]
+    assert 0 < draft.seen["looked_up_accepted"] < draft.seen["looked_up_proposed"]
 
 
 def test_sampling_test_sees_a_lookup_accepted_without_the_ratio_test(small_vocab_target, monkeypatch):

@@ -55,7 +55,7 @@ def sample_counts(target, draft, gen_kwargs, n=SAMPLES, seed=0):
     """Counts of the first 3 new tokens over n DSpark generations; ``draft.seen`` totals the per-call stats."""
     torch.manual_seed(seed)
     counts = {}
-    draft.seen = {"proposed": 0, "accepted": 0, "lengths": set()}
+    draft.seen = {"proposed": 0, "accepted": 0, "lengths": set(), "looked_up_proposed": 0, "looked_up_accepted": 0}
     for _ in range(n):
         out = target.generate(PROMPT, max_new_tokens=6, do_sample=True, assistant_model=draft, **gen_kwargs)
         key = tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist())
@@ -63,6 +63,9 @@ def sample_counts(target, draft, gen_kwargs, n=SAMPLES, seed=0):
         draft.seen["proposed"] += sum(draft.stats.proposed)
         draft.seen["accepted"] += sum(draft.stats.accepted)
         draft.seen["lengths"] |= {n for rnd in draft.stats.verify_rounds for n in rnd}
+        s = draft.stats
+        draft.seen["looked_up_proposed"] += sum(p for p, lk in zip(s.proposed, s.looked_up, strict=True) if lk)
+        draft.seen["looked_up_accepted"] += sum(a for a, lk in zip(s.accepted, s.looked_up, strict=True) if lk)
     return counts
 
 

@@ -99,8 +99,7 @@ def evaluate(
     draft alone, whatever its config says (restored afterwards)."""
     prompts = load_prompts(dataset, limit)
     saved_lookup, draft.config.lookup_max_ngram = draft.config.lookup_max_ngram, lookup
-    try:
-        draft.config.validate_lookup()
+    try:  # generate checks the lookup fields
         result = _evaluate(target, tokenizer, draft, prompts, dataset, max_new_tokens, temperature, progress)
     finally:
         draft.config.lookup_max_ngram = saved_lookup
