@@ -26,20 +26,16 @@ from pathlib import Path
 import torch
 
 from hf_dspark import DSparkDraftModel, embedded, generation
+from hf_dspark.evaluation.evaluate import load_prompts
 from hf_dspark.evaluation.readme import replace_block
 
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 DOMAINS = ["gsm8k", "humaneval", "mt-bench", "mbpp", "math500"]
 
 
 def mixed_prompts(n: int, offset: int = 200) -> list[str]:
     """n first-turn prompts, round-robin over domains (from line ``offset`` on, away from the test prompts)."""
-    per = {d: (EVAL / f"{d}.jsonl").read_text().split("\n") for d in DOMAINS}
-    out = []
-    for i in range(n):
-        lines = [x for x in per[DOMAINS[i % len(DOMAINS)]] if x.strip()]
-        out.append(json.loads(lines[(offset + i) % len(lines)])["turns"][0])
-    return out
+    per = {d: load_prompts(d) for d in DOMAINS}
+    return [per[d][(offset + i) % len(per[d])] for i in range(n) for d in [DOMAINS[i % len(DOMAINS)]]]
 
 
 def batch(tokenizer, texts):

@@ -1,13 +1,19 @@
 """Regenerate the training answers for the shipped SmolLM2 draft (resumable; run it again to continue).
 
-python recipes/smollm2_prepare.py [--out ~/.cache/hf_dspark/smollm2/train.jsonl] [--threads 1] [--dtype float32]
+python recipes/smollm2_prepare.py [--data FILE ...] [--out data/train/answers-smollm2] [--threads 1]
+                                  [--dtype bfloat16]
 
-``--dtype bfloat16`` answers faster on a CPU with native bf16 units (see embedded.fast_dtype); the answers are sampled
-(T = 0.7), and the two dtypes' distributions differ only by rounding, so a file may mix them.
+Prompts: the three prompt files vendored in ``data/train/`` (see its README for their origin and licences), or the
+files given with ``--data`` (any format ``hf_dspark.training.data.read_prompts`` reads). A prefix of the shuffled
+mix keeps the paper's proportions (~18% chat, ~39% math, ~39% code).
+
+Answers go to a shard folder inside the repository: sealed ``answers-NNNNN.jsonl.gz`` shards of 250 rows are never
+rewritten, so they can be committed as they come and a fresh clone on another machine resumes from them (only the
+ignored ``open.jsonl``, fewer than 250 rows, is lost with a machine). The answers are sampled (T = 0.7), and
+float32 and bfloat16 differ only by rounding, so a folder may mix them.
 """
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -15,24 +21,33 @@ import torch
 from hf_dspark.embedded import load_target
 from hf_dspark.training.data import mix_prompts, read_prompts, regenerate
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "train"
-# The paper's mix is ~18% chat, ~39% math, ~39% code; a prefix of the shuffled list keeps that mix.
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "data" / "train"
+ANSWERS = PROMPTS / "answers-smollm2"
+# How many prompts the mix takes from each source (by file name before its first dot).
 COUNTS = {"gsm8k_train": 2400, "codealpaca": 2400, "sharegpt_prompts": 1100}
+
+
+def recipe_prompts(files: list[Path] | None = None) -> list:
+    """The recipe's shuffled prompt mix (``hf_dspark.training.data.Prompt`` list) from ``files`` (default: vendored)."""
+    files = files or [PROMPTS / f"{name}.jsonl.gz" for name in COUNTS]
+    sources = {path.name.split(".")[0]: read_prompts(path) for path in files}
+    counts = {name: COUNTS.get(name, len(prompts)) for name, prompts in sources.items()}
+    return mix_prompts(sources, counts, seed=0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get("HF_DSPARK_DATA", DATA)))
-    ap.add_argument("--out", type=Path, default=Path("~/.cache/hf_dspark/smollm2/train.jsonl").expanduser())
+    ap.add_argument("--data", type=Path, nargs="+", help="prompt files (default: the vendored data/train/*.jsonl.gz)")
+    ap.add_argument("--out", type=Path, default=ANSWERS)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sources = {name: read_prompts(next(args.data.glob(name + ".json*"))) for name in COUNTS}
-    prompts = mix_prompts(sources, COUNTS, seed=0)
+    prompts = recipe_prompts(args.data)
     target, tokenizer = load_target(getattr(torch, args.dtype))
-    regenerate(target, tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens)
+    regenerate(target, tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens, shard_rows=250)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from smollm2_prepare import ANSWERS
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.embedded import load_target
@@ -43,7 +44,7 @@ def main() -> None:
     ap.add_argument("--head", default="markov", choices=["markov", "none", "gated", "rnn"])
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--data", type=Path, default=STATE / "train.jsonl")
+    ap.add_argument("--data", type=Path, default=ANSWERS, help="regenerated answers (a file or shard folder)")
     ap.add_argument("--run", default=None, help="run folder name under the state dir (default run-<head>)")
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
                     help="bf16 autocast (master weights stay float32)")  # fmt: skip

