@@ -5,6 +5,10 @@
 
 The DSpark output is coloured by round: green tokens were proposed by the draft and accepted, orange is the
 target's own token (the correction after a rejection, or the bonus after a fully accepted block).
+
+``--dtype auto`` (the default, as in ``python -m hf_dspark``) runs bfloat16 on CPUs with native bf16 units. There a
+greedy output may part from plain greedy at a near-tie of the target's logits; the summary then says where, with
+both candidates' logits, judged by the rule `hf-dspark bench` applies (:mod:`hf_dspark.evaluation.ties`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_dspark  # noqa: F401  (routes generate(assistant_model=draft) to DSpark)
 from hf_dspark import DSparkDraftModel
+from hf_dspark.evaluation.bench import warm_up
+from hf_dspark.evaluation.ties import first_divergence, upcast_copy
 
 ACCEPTED, TARGET = "#c8f7c5", "#ffd8a8"
 
@@ -61,6 +67,20 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
     """The Blocks app for one target/draft pair. API name of the comparison: ``/compare``."""
     max_context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
     lookup_n = draft.config.lookup_max_ngram or 3  # what the lookup checkbox turns on: the draft's own N if it has one
+    exact_copy = {}  # the target's weights in float32, made on the first greedy difference in low precision
+
+    def agreement(ids, out, reference) -> str:
+        """How the DSpark output compares with plain greedy's (greedy runs only)."""
+        strict = target.dtype in (torch.float32, torch.float64)
+        if not strict and "model" not in exact_copy:
+            exact_copy["model"] = upcast_copy(target)
+        found = first_divergence(target, out, reference, exact_copy.get("model"), prompt_len=ids.shape[1])
+        if found is None:
+            return "identical to plain greedy"
+        line = found.describe(tokenizer)
+        if strict or not found.tie:
+            return f"**differs from plain greedy, and not at a near-tie: a bug, please report it.** {line}"
+        return f"{line} ({str(target.dtype)[6:]} rounds a multi-token verify differently from a one-token step)"
 
     def stream(ids, assistant, gen_kwargs):
         text_streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -123,6 +143,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
             f"**speedup** {plain['seconds'] / fast['seconds'] * n_fast / max(n_plain, 1):.2f}× · "
             f"**τ** {stats.tau:.2f} tokens/round over {stats.rounds} rounds"
             + (f" ({sum(stats.looked_up)} looked up)" if lookup else "")
+            + ("" if sampling else f"  \n{agreement(ids, fast['out'], plain['out'])}")
         )
         acc = stats.position_acceptance()
         chart = {
@@ -161,7 +182,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
     return demo
 
 
-def load_pair(target_spec: str, draft_spec: str | None, dtype: str = "float32"):
+def load_pair(target_spec: str, draft_spec: str | None, dtype: str = "auto"):
     """(target, tokenizer, draft): the embedded default, or folders/Hub ids; ``dtype`` as in ``--dtype``."""
     from hf_dspark import embedded
     from hf_dspark.cli import load_target
@@ -180,19 +201,27 @@ def load_pair(target_spec: str, draft_spec: str | None, dtype: str = "float32"):
     return target, tokenizer, draft
 
 
+def warm(target, tokenizer, draft: DSparkDraftModel) -> None:
+    """Pay the one-time costs now (SPS profile, the draft's cost, first calls), not inside the first request."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                        return_tensors="pt")["input_ids"]  # fmt: skip
+    how, profile_s, first_s = warm_up(target, draft, ids)
+    print(f"one-time costs: SPS profile and draft cost {how} in {profile_s:.1f} s, first calls {first_s:.1f} s")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m demo.app", description=__doc__)
     ap.add_argument("--target", default="embedded")
     ap.add_argument("--draft", default=None)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                    help="float32: outputs bit-identical to plain greedy; auto: bfloat16 on CPUs with native bf16 "
-                    "units (faster verify, greedy may part at exact logit ties)")  # fmt: skip
+    ap.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"],
+                    help="auto (default): bfloat16 on CPUs with native bf16 units (faster verify; greedy may part at "
+                    "near-ties of the logits, explained in the summary), else float32; float32: bit-identical to "
+                    "plain greedy")  # fmt: skip
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=7860)
     args = ap.parse_args(argv)
     target, tokenizer, draft = load_pair(args.target, args.draft, args.dtype)
-    if draft.confidence is not None:  # scheduled mode: time the verify costs now, not inside the first request
-        draft.measure_sps(1)
+    warm(target, tokenizer, draft)
     demo = build_demo(target, tokenizer, draft)
     demo.queue().launch(server_name=args.host, server_port=args.port)
 

@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python scripts/demo_screenshot.py [--prompt TEXT] [--out docs/demo.png] [--dtype auto]
 
-The page's defaults are used (greedy, 128 new tokens, the draft's block size, scheduled verification).
+The page's defaults are used (greedy, 128 new tokens, the draft's block size, scheduled verification); the one-time
+costs are paid before the request, as `python -m demo.app` does.
 """
 
 import argparse
@@ -10,7 +11,7 @@ import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from demo.app import build_demo, load_pair
+from demo.app import build_demo, load_pair, warm
 
 FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost"]  # fmt: skip
@@ -24,7 +25,9 @@ def main() -> None:
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
-    demo = build_demo(*load_pair("embedded", None, args.dtype))
+    pair = load_pair("embedded", None, args.dtype)
+    warm(*pair)
+    demo = build_demo(*pair)
     demo.queue().launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
     try:
         with sync_playwright() as p:

@@ -47,6 +47,7 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
 
     assert html.unescape(re.sub(r"<[^>]+>", "", dspark_html)) == expected  # same text, coloured by round
     assert "tok/s" in stats and "speedup" in stats and "τ" in stats
+    assert stats.endswith("identical to plain greedy")  # greedy in float32: compared, and equal
     assert chart["columns"] == ["position", "acceptance"]
     assert [row[0] for row in chart["data"]] == ["1", "2", "3", "4"]
     assert all(0.0 <= row[1] <= 1.0 for row in chart["data"])

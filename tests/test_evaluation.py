@@ -149,7 +149,7 @@ def test_tie_check_asks_a_float32_copy_too():
     separates them too, the mismatch is no tie."""
     import copy
 
-    from hf_dspark.evaluation.bench import parts_at_a_tie
+    from hf_dspark.evaluation.ties import first_divergence, parts_at_a_tie
 
     low = tiny_target("llama", vocab_size=96, dtype=torch.bfloat16)
     torch.manual_seed(0)
@@ -164,6 +164,15 @@ def test_tie_check_asks_a_float32_copy_too():
     assert not parts_at_a_tie(low, other, plain)
     assert not parts_at_a_tie(low, other, plain, exact=separated)
     assert parts_at_a_tie(low, other, plain, exact=tied)
+    found = first_divergence(low, other, plain, exact=tied, prompt_len=3)
+    assert (found.index, found.token, found.reference_token, found.tie) == (0, worst, best, True)
+    assert list(found.logits) == ["bfloat16", "float32"]
+    assert found.logits["bfloat16"] == (logits[worst].item(), logits[best].item(), logits[best].item())
+    assert "parts at new token 0" in found.describe() and "a near-tie" in found.describe()
+    assert "NOT a tie" in first_divergence(low, other, plain, prompt_len=3).describe()
+    assert first_divergence(low, plain, plain) is None
+    shorter = first_divergence(low, plain[:, :3], plain)
+    assert not shorter.tie and shorter.index == 3
 
 
 def test_readme_results_section_is_written_from_json(tmp_path):

@@ -76,7 +76,40 @@ def test_main_command_with_lookup_drafting_equals_plain_greedy_in_float32(capsys
     from hf_dspark.__main__ import main
 
     main(["--limit", "1", "--max-new-tokens", "48", "--dtype", "float32", "--lookup", "3"])
-    overall = capsys.readouterr().out.splitlines()[-1]
+    lines = capsys.readouterr().out.splitlines()
+    overall = lines[-1]
     assert "1/1 outputs identical to plain greedy" in overall
     looked, rounds = (int(x) for x in overall.rsplit(", ", 1)[1].split(" rounds")[0].split("/"))
     assert 0 < looked < rounds
+    assert any(line.startswith("one-time costs, paid before timing: SPS profile and draft cost ") for line in lines)
+
+
+def test_main_command_explains_a_difference_and_stops_when_it_is_no_tie(monkeypatch, capsys):
+    """A DSpark output corrupted at its last token: the line says where, names both tokens with their logits in
+    bfloat16 and float32, and the run stops with a bug message (the token is no near-tie of plain's)."""
+    from hf_dspark import embedded
+    from hf_dspark.__main__ import main
+
+    real_load = embedded.load
+
+    def load(dtype):
+        target, tokenizer, draft = real_load(dtype)
+        plain_generate = target.generate
+
+        def generate(ids, **kw):
+            out = plain_generate(ids, **kw)
+            if "assistant_model" in kw and kw["max_new_tokens"] > 8:  # not the warm-up call
+                out = out.clone()
+                out[0, -1] = tokenizer.convert_tokens_to_ids("Ġbanana")
+            return out
+
+        monkeypatch.setattr(target, "generate", generate)
+        return target, tokenizer, draft
+
+    monkeypatch.setattr(embedded, "load", load)
+    with pytest.raises(SystemExit, match="this is a bug"):
+        main(["--limit", "1", "--max-new-tokens", "12", "--dtype", "bfloat16", "--lookup", "0"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("    parts at new token 11: ")
+    assert "'banana'" in lines[-1] or "' banana'" in lines[-1]
+    assert "bfloat16 " in lines[-1] and "float32 " in lines[-1] and lines[-1].endswith("NOT a tie")

@@ -8,13 +8,12 @@ Greedy outputs of every method are compared with plain greedy. In float32/float6
 the run. In bfloat16/float16 a forward over several tokens rounds differently from one over a single token, so a
 near-tie in the target's logits can flip under *any* multi-token verifier (transformers' prompt lookup included):
 there the count of prompts whose output equals plain greedy is reported per method, and every mismatch must be
-explained by a tie: at the first differing token the target's logits for both tokens lie within two units of
-rounding of the top logit. A mismatch that is not a tie stops the run, as in float32.
+explained by a tie (:mod:`hf_dspark.evaluation.ties`, the rule the main command and the demo apply too). A
+mismatch that is not a tie stops the run, as in float32.
 """
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .evaluate import load_prompts, run_context
+from .ties import parts_at_a_tie, upcast_copy
 
 
 @dataclass
@@ -105,7 +105,7 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
             if same:
                 continue
             if not strict and exact is None:
-                exact = _upcast_copy(target)  # made on the first mismatch only
+                exact = upcast_copy(target)  # made on the first mismatch only
             if strict or not parts_at_a_tie(target, out, outs["plain"], exact):
                 raise RuntimeError(f"{name} produced a different greedy output than plain generate on prompt {i}")
     plain_time = sum(per["plain"]["seconds"])
@@ -126,36 +126,20 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
             **run_context(target)}  # fmt: skip
 
 
-def _upcast_copy(model):
-    """The same weights, computed in float32 (``nn.Module.to``: a GGUF-loaded model refuses its own ``.float()``)."""
-    return torch.nn.Module.to(copy.deepcopy(model), torch.float32)
+def warm_up(target, draft, input_ids: torch.Tensor) -> tuple[str, float, float]:
+    """Pay the one-time costs before anything is timed: the SPS profile and draft cost the scheduler plans with
+    (measured, or loaded from the disk cache) and a first short greedy call of plain and of DSpark ``generate``
+    on ``input_ids`` ([1, T]). Returns ("measured" | "loaded", seconds for the profile, seconds for the calls)."""
+    from ..scheduler import CACHE_DIR
 
-
-def parts_at_a_tie(target, out: torch.Tensor, reference: torch.Tensor, exact=None) -> bool:
-    """Whether two greedy outputs ([1, T] each) first differ at a token whose target logit ties the reference's.
-
-    Recomputes the target's logits at the first differing position (one forward) and checks that both tokens'
-    logits are within two units of rounding (in the target's dtype) of the largest logit. ``exact``, the same
-    weights upcast to float32, is asked too: over a long context a low-precision forward's logits drift by more
-    than two units from one batch shape to another, so a pair within two units of each other in float32 counts
-    as a tie even when the low-precision recomputation separates them further (seen here: 21.157 vs 21.152 in
-    float32, three bfloat16 units apart in bfloat16).
-    """
-    a, b = out[0].tolist(), reference[0].tolist()
-    k = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
-    if k is None:
-        return False  # one is a strict prefix of the other: a length/EOS difference, never a tie
-    prefix = torch.tensor([b[:k]], device=target.device)
-    eps = torch.finfo(target.dtype).eps
-    for model in (target, exact):
-        if model is None:
-            continue
-        logits = model(prefix).logits[0, -1].float()
-        top = logits.max()
-        tol = 2 * eps * top.abs().clamp_min(1.0)
-        if top - logits[a[k]] <= tol and top - logits[b[k]] <= tol:
-            return True
-    return False
+    start, t0 = time.time(), time.perf_counter()
+    draft.measure_sps(1)
+    t1 = time.perf_counter()
+    target.generate(input_ids, max_new_tokens=8, do_sample=False)
+    target.generate(input_ids, assistant_model=draft, max_new_tokens=8, do_sample=False)
+    t2 = time.perf_counter()
+    how = "measured" if any(p.stat().st_mtime >= start for p in CACHE_DIR.glob("*.json")) else "loaded"
+    return how, t1 - t0, t2 - t1
 
 
 def markdown_table(results: list[dict]) -> str:
