@@ -1,14 +1,15 @@
 """hf-dspark: lossless DSpark speculative decoding for Hugging Face transformers.
 
-``import hf_dspark`` registers the ``dspark`` model type with the Auto classes and routes
-``target.generate(..., assistant_model=draft)`` to DSpark decoding when ``draft`` is a :class:`DSparkDraftModel`
-(see :mod:`hf_dspark.integration`; ``hf_dspark.disable()`` undoes it).
+``target.generate(**inputs, custom_generate=hf_dspark.dspark_generate, draft=draft)`` runs DSpark decoding through
+transformers' public extension point. ``import hf_dspark`` also registers the ``dspark`` model type with the Auto
+classes and routes ``target.generate(..., assistant_model=draft)`` to DSpark decoding when ``draft`` is a
+:class:`DSparkDraftModel` (see :mod:`hf_dspark.integration`; ``hf_dspark.disable()`` undoes that route).
 """
 
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dspark import DSparkConfig
-from .integration import disable, enable, is_enabled
+from .integration import disable, dspark_generate, enable, is_enabled
 from .modeling_dspark import DSparkDraftModel, DSparkOutput
 from .stats import DSparkStats
 
@@ -24,6 +25,7 @@ __all__ = [
     "DSparkOutput",
     "DSparkStats",
     "disable",
+    "dspark_generate",
     "enable",
     "is_enabled",
 ]

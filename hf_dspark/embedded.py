@@ -40,6 +40,12 @@ def load_target(dtype: torch.dtype = torch.float32):
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     model.eval().requires_grad_(False)
+    # transformers 5.17 reads this file's tokenizer with <|im_start|> as EOS and no pad token, newer releases with
+    # the model's own <|im_end|> as both: take them from the model's generation config, the same on every release
+    gen = model.generation_config
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(gen.eos_token_id)
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(gen.pad_token_id if gen.pad_token_id is not None
+                                                          else gen.eos_token_id)  # fmt: skip
     return model, tokenizer
 
 

@@ -44,6 +44,7 @@ from .scheduler import (
 )
 from .stats import DSparkStats
 from .verify import greedy_accept, rejection_sample
+from .versions import CACHE_FIELD, cache_argument, cache_from
 
 MAX_BACKOFF = 16  # most plain rounds in a row before the draft is asked again (scheduled/async modes)
 # Stop the sequential head as soon as the plan cannot grow (scheduled and threshold modes). The planners stop at
@@ -125,11 +126,11 @@ def _target_forward(target, ids, positions, attention_mask, cache, last_logits_o
     (the prefill) asks the model for the last position's logits alone: the prompt's other positions need only
     hidden states, and their LM head would cost more than the rest of a long batched prefill on a CPU."""
     extra = {"logits_to_keep": 1} if last_logits_only and _takes_logits_to_keep(type(target)) else {}
+    extra[cache_argument(type(target))] = cache
     return target(
         input_ids=ids,
         position_ids=positions,
         attention_mask=attention_mask,
-        cache=cache,
         use_cache=True,
         output_hidden_states=True,
         **extra,
@@ -432,7 +433,7 @@ def dspark_decode(
         raise ValueError("DSpark generation does not support synced_gpus (ZeRO-3 / FSDP sharded generation).")
     if not draft.is_attached or draft.target is not target:
         draft.attach(target)
-    cache = model_kwargs.get("cache")
+    cache = cache_from(model_kwargs)
     if cache is None:
         raise ValueError("DSpark generation needs use_cache=True (a cache the verifier can crop).")
     R, device = input_ids.shape[0], input_ids.device
@@ -604,6 +605,6 @@ def dspark_decode(
             sequences=sequences,
             scores=tuple(scores_out) if want_scores else None,
             logits=tuple(logits_out) if want_logits else None,
-            cache=cache,
+            **{CACHE_FIELD: cache},
         )
     return sequences

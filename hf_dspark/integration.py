@@ -1,7 +1,12 @@
-"""How ``target.generate(..., assistant_model=draft)`` reaches DSpark decoding.
+"""How ``target.generate`` reaches DSpark decoding.
 
-transformers 5.x has no registry for candidate generators, so :func:`enable` (called by ``import hf_dspark``)
-wraps two methods of ``GenerationMixin``:
+The public way in is transformers' own extension point: ``target.generate(**inputs,
+custom_generate=hf_dspark.dspark_generate, draft=draft)``. ``generate`` prepares the inputs, logits processors,
+stopping criteria, generation config and cache as for any decoding method, then calls :func:`dspark_generate`,
+which runs :func:`dspark_decode`. No transformers internals are touched on that route.
+
+For ``target.generate(..., assistant_model=draft)`` (transformers has no registry for candidate generators),
+:func:`enable` (called by ``import hf_dspark``) wraps two methods of ``GenerationMixin``:
 
 - ``_validate_generation_mode``: when the assistant is a :class:`DSparkDraftModel`, check the draft against the
   target first (a draft for another target is refused by name, before transformers' generic vocabulary check);
@@ -14,6 +19,7 @@ Every other call goes to the original methods unchanged. :func:`disable` restore
 from __future__ import annotations
 
 import functools
+import inspect
 
 from transformers.generation.utils import GenerationMixin
 
@@ -53,6 +59,62 @@ def _wrap_assisted(original):
         )
 
     return _assisted_decoding
+
+
+def dspark_generate(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    draft: DSparkDraftModel | None = None,
+    **model_kwargs,
+):
+    """DSpark decoding as a ``custom_generate`` callable: ``target.generate(**inputs,
+    custom_generate=hf_dspark.dspark_generate, draft=draft, max_new_tokens=...)``.
+
+    ``generate`` passes the prepared ``input_ids`` [R, P] (left-padded for a batch), logits processors, stopping
+    criteria, generation config and model kwargs (attention mask, cache), plus the keywords this signature declares
+    (``draft``). Returns what :func:`dspark_decode` returns: sequences [R, P + new], or a
+    ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``.
+
+    Streamers: ``generate`` hands a ``custom_generate`` callable neither ``streamer=`` nor ``assistant_model=`` (both
+    are its own arguments, and it has already put the prompt into the streamer). The streamer is taken from the
+    ``generate`` call that called this function, so ``streamer=`` works as with any decoding method.
+    """
+    if not isinstance(draft, DSparkDraftModel):
+        raise ValueError(
+            "custom_generate=hf_dspark.dspark_generate needs draft=<DSparkDraftModel> "
+            f"(got {type(draft).__name__ if draft is not None else 'no draft'})"
+        )
+    draft.check_target(model)
+    if generation_config.num_beams != 1:
+        raise ValueError("DSpark generation does not support beam search (num_beams must be 1).")
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError("DSpark generation does not support num_return_sequences > 1.")
+    return dspark_decode(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, draft=draft,
+        streamer=_callers_streamer(model), **model_kwargs,
+    )  # fmt: skip
+
+
+def _callers_streamer(model):
+    """The ``streamer`` of the ``GenerationMixin.generate`` call on ``model`` that is running this callable.
+
+    ``generate`` keeps it to itself: it puts the prompt into it, then calls a ``custom_generate`` callable without
+    it, so a streamer given to ``generate`` would wait forever for the tokens. Its frame is the nearest one of a
+    function named ``generate`` whose ``self`` is ``model``; ``tests/test_versions.py`` checks that this still
+    finds it on every supported release.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "generate" and frame.f_locals.get("self") is model:
+                return frame.f_locals.get("streamer")
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
 
 
 def enable() -> None:

@@ -180,6 +180,8 @@ def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5
     Raw times: not made monotone."""
     from transformers import DynamicCache
 
+    from .versions import cache_argument
+
     grid = sorted(set(grid))
     if rows < 1 or any(B % rows for B in grid):
         raise ValueError(f"every B in the grid must be a positive multiple of rows = {rows}, got {grid}")
@@ -195,7 +197,7 @@ def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5
     def forward(start: int, stop: int):
         attention = mask[:, :stop] if rows > 1 else None
         target(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], attention_mask=attention,
-               cache=cache, use_cache=True, output_hidden_states=True)  # fmt: skip
+               use_cache=True, output_hidden_states=True, **{cache_argument(type(target)): cache})  # fmt: skip
 
     cache = DynamicCache()
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None

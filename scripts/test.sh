@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Set up, lint, and run the default test suite (slow tests are marked and run by benchmarks, not here).
+# Set up, lint, and run the default test suite (slow tests are marked and run by benchmarks, not here), then the
+# generation tests again on the oldest supported transformers release, installed beside the main one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 TRITON_INTERPRET=1 .venv/bin/python -m pytest -q "$@"
+if [ "$#" -eq 0 ]; then
+  # transformers 5.17 wants huggingface_hub < 2; both go into their own folder, first on the path for this run only
+  OLDEST=.venv/transformers-5.17
+  [ -d "$OLDEST/transformers-5.17.0.dist-info" ] || .venv/bin/pip install -q --disable-pip-version-check --no-deps \
+    --target "$OLDEST" "transformers==5.17.0" "huggingface_hub<2"
+  PYTHONPATH="$OLDEST" TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/test_versions.py \
+    tests/test_custom_generate.py tests/test_generation.py tests/test_batched.py tests/test_lookup.py
+fi

@@ -18,6 +18,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
+import hf_dspark
 import hf_dspark.generation
 from hf_dspark import DSparkDraftModel
 
@@ -51,13 +52,18 @@ def exact_distribution(target, processors, n_tokens=3):
     return probs
 
 
-def sample_counts(target, draft, gen_kwargs, n=SAMPLES, seed=0):
-    """Counts of the first 3 new tokens over n DSpark generations; ``draft.seen`` totals the per-call stats."""
+def sample_counts(target, draft, gen_kwargs, n=SAMPLES, seed=0, custom_generate=False):
+    """Counts of the first 3 new tokens over n DSpark generations; ``draft.seen`` totals the per-call stats.
+    ``custom_generate``: call ``generate(custom_generate=hf_dspark.dspark_generate, draft=draft)`` instead of
+    ``generate(assistant_model=draft)``."""
     torch.manual_seed(seed)
+    route = (
+        dict(custom_generate=hf_dspark.dspark_generate, draft=draft) if custom_generate else {"assistant_model": draft}
+    )
     counts = {}
     draft.seen = {"proposed": 0, "accepted": 0, "lengths": set(), "looked_up_proposed": 0, "looked_up_accepted": 0}
     for _ in range(n):
-        out = target.generate(PROMPT, max_new_tokens=6, do_sample=True, assistant_model=draft, **gen_kwargs)
+        out = target.generate(PROMPT, max_new_tokens=6, do_sample=True, **route, **gen_kwargs)
         key = tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist())
         counts[key] = counts.get(key, 0) + 1
         draft.seen["proposed"] += sum(draft.stats.proposed)
