@@ -26,8 +26,7 @@ import torch
 from transformers import TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
-import hf_dspark  # noqa: F401  (routes generate(assistant_model=draft) to DSpark)
-from hf_dspark import DSparkDraftModel
+from hf_dspark import DSparkDraftModel, dspark_generate
 from hf_dspark.evaluation.bench import warm_up
 from hf_dspark.evaluation.ties import first_divergence, upcast_copy
 
@@ -82,17 +81,18 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
             return f"**differs from plain greedy, and not at a near-tie: a bug, please report it.** {line}"
         return f"{line} ({str(target.dtype)[6:]} rounds a multi-token verify differently from a one-token step)"
 
-    def stream(ids, assistant, gen_kwargs):
+    def stream(ids, gen_kwargs, dspark_settings=None):
         text_streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         recorder = RoundRecorder(text_streamer)
         kwargs = dict(gen_kwargs, streamer=recorder)
-        if assistant is not None:
-            kwargs["assistant_model"] = assistant
+        if dspark_settings is not None:  # this request's own settings: the shared draft's config is never changed
+            kwargs.update(dspark_settings, custom_generate=dspark_generate, draft=draft, return_dict_in_generate=True)
         result = {}
 
         def run():
             t0 = time.perf_counter()
-            result["out"] = target.generate(ids, **kwargs)
+            out = target.generate(ids, **kwargs)
+            result["out"], result["stats"] = (out.sequences, out.dspark_stats) if dspark_settings else (out, None)
             result["seconds"] = time.perf_counter() - t0
 
         thread = Thread(target=run)
@@ -113,10 +113,8 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
         gen = dict(max_new_tokens=int(max_new_tokens), do_sample=bool(sampling))
         if sampling:
             gen["temperature"] = float(temperature)
-        draft.config.verify_mode = mode
-        draft.config.verify_limit = int(gamma)
-        draft.head_enabled = bool(head_on)
-        draft.config.lookup_max_ngram = lookup_n if lookup else 0
+        settings = dict(verify_mode=mode, verify_limit=int(gamma), lookup_max_ngram=lookup_n if lookup else 0)
+        draft.head_enabled = bool(head_on)  # an ablation switch on the draft itself (not a per-call setting)
         plain_text = dspark_html = ""
 
         def live(name, recorder, t0):
@@ -125,19 +123,19 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
 
         # plain first, then DSpark: run one at a time so the speed figures don't fight over the CPU
         t0 = time.perf_counter()
-        streamer, recorder, thread, plain = stream(ids, None, gen)
+        streamer, recorder, thread, plain = stream(ids, gen)
         for piece in streamer:
             plain_text += piece
             yield plain_text, dspark_html, live("plain", recorder, t0), None
         thread.join()
         t0 = time.perf_counter()
-        streamer, recorder, thread, fast = stream(ids, draft, gen)
+        streamer, recorder, thread, fast = stream(ids, gen, settings)
         for _ in streamer:
             yield plain_text, coloured(tokenizer, recorder.rounds), live("DSpark", recorder, t0), None
         thread.join()
         n_plain = plain["out"].shape[1] - ids.shape[1]
         n_fast = fast["out"].shape[1] - ids.shape[1]
-        stats = draft.stats
+        stats = fast["stats"]
         summary = (
             f"**plain** {n_plain / plain['seconds']:.1f} tok/s · **DSpark** {n_fast / fast['seconds']:.1f} tok/s · "
             f"**speedup** {plain['seconds'] / fast['seconds'] * n_fast / max(n_plain, 1):.2f}× · "

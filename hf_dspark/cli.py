@@ -180,16 +180,18 @@ def cmd_push(args) -> None:
     from huggingface_hub import HfApi
 
     from .cards import write_card
+    from .hub_generate import FOLDER, write_custom_generate
 
     folder = Path(args.draft)
     if not (folder / "README.md").is_file() or args.card:
         write_card(folder, name=args.repo, target=args.target_id, license=args.license)
+    write_custom_generate(folder, args.repo)  # generate(custom_generate="<repo>", trust_remote_code=True)
     api = HfApi()
     api.create_repo(args.repo, private=args.private, exist_ok=True)
     info = api.upload_folder(
         repo_id=args.repo,
         folder_path=str(folder),
-        allow_patterns=["config.json", "model.safetensors", "README.md", "*.json"],
+        allow_patterns=["config.json", "model.safetensors", "README.md", "*.json", f"{FOLDER}/*"],
         ignore_patterns=["checkpoint-*", "*.tmp"],
         commit_message=args.message,
     )

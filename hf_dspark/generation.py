@@ -16,6 +16,7 @@ at the end of a round are cropped, so a single row never carries holes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import statistics
@@ -28,7 +29,7 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from .configuration_dspark import VERIFY_LAYOUTS, VERIFY_MODES
+from .configuration_dspark import VERIFY_LAYOUTS, VERIFY_MODES, DSparkConfig
 from .kernels import fused_head_step, fused_temperature, use_kernels
 from .lookup import lookup_continuation, one_hot_probs
 from .modeling_dspark import DSparkDraftModel
@@ -114,6 +115,14 @@ class Proposal:
     tokens: torch.Tensor
     probs: torch.Tensor | None
     confidences: torch.Tensor | None
+
+
+@dataclass
+class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
+    """``generate``'s output with ``return_dict_in_generate=True``, plus this call's own per-round statistics
+    (``draft.stats`` is whichever call on the draft finished last, which differs when threads share a draft)."""
+
+    dspark_stats: DSparkStats | None = None
 
 
 def target_features(draft: DSparkDraftModel, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -257,16 +266,53 @@ def draft_block(
     )
 
 
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How one ``generate`` call verifies: the draft's saved config, with the call's own overrides.
+
+    Overrides never touch ``draft.config``, so calls with different settings may share one draft (two visitors of
+    the demo, two threads). ``verify_mode`` is resolved: ``auto`` becomes ``scheduled`` with a confidence head,
+    else ``fixed``.
+    """
+
+    verify_mode: str
+    verify_limit: int | None
+    confidence_threshold: float
+    verify_layout: str
+    lookup_max_ngram: int
+    lookup_min_ngram: int
+
+    @classmethod
+    def resolve(cls, draft: DSparkDraftModel, **overrides) -> DecodeSettings:
+        """The config's values, replaced by the non-``None`` ``overrides``; ``ValueError`` naming a bad value."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise ValueError(f"unknown DSpark settings {unknown}: use any of {names}")
+        values = {name: getattr(draft.config, name) for name in names}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        mode = values["verify_mode"]
+        if mode not in VERIFY_MODES:  # the config checks on construction; this catches later assignments
+            raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {mode!r}")
+        if mode == "auto":
+            values["verify_mode"] = mode = "scheduled" if draft.confidence is not None else "fixed"
+        if draft.confidence is None and mode != "fixed":
+            raise ValueError(f"verify_mode={mode!r} needs a confidence head (the draft has confidence_head=False)")
+        limit = values["verify_limit"]
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"verify_limit must be an int >= 0 (or None: γ), got {limit!r}")
+        if not 0 <= values["confidence_threshold"] <= 1:
+            raise ValueError(f"confidence_threshold must lie in [0, 1], got {values['confidence_threshold']!r}")
+        if values["verify_layout"] not in VERIFY_LAYOUTS:
+            raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {values['verify_layout']!r}")
+        settings = cls(**values)
+        DSparkConfig.validate_lookup(settings)  # the same rule the config applies to its own fields
+        return settings
+
+
 def resolve_verify_mode(draft: DSparkDraftModel) -> str:
     """``config.verify_mode``; ``auto`` means ``scheduled`` with a confidence head, else ``fixed``."""
-    mode = draft.config.verify_mode
-    if mode not in VERIFY_MODES:  # the config checks on construction; this catches later assignments
-        raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {mode!r}")
-    if mode == "auto":
-        return "scheduled" if draft.confidence is not None else "fixed"
-    if draft.confidence is None and mode != "fixed":
-        raise ValueError(f"verify_mode={mode!r} needs a confidence head (the draft has confidence_head=False)")
-    return mode
+    return DecodeSettings.resolve(draft).verify_mode
 
 
 def sps_profile(draft: DSparkDraftModel, target, rows: int) -> SPSProfile:
@@ -394,8 +440,20 @@ def verify_row(draft_tokens, draft_probs, raw_logits, history, logits_processor,
     return n, nxt, scores
 
 
+# model kwargs generate prepares that the loop honours itself (positions: from the attention mask, as generate does)
+HONOURED_MODEL_KWARGS = {"attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep", "position_ids"}
+
+
 def _check_supported(generation_config: GenerationConfig, input_ids: torch.Tensor, model_kwargs: dict, streamer):
     R = input_ids.shape[0]
+    unsupported = sorted(k for k, v in model_kwargs.items() if k not in HONOURED_MODEL_KWARGS and v is not None)
+    if unsupported:
+        raise ValueError(
+            f"DSpark generation cannot honour {unsupported}: it drafts and verifies from input_ids, the attention "
+            "mask and the cache alone (multimodal inputs, token_type_ids and other model inputs are not supported)"
+        )
+    if model_kwargs.get("use_cache") is False:
+        raise ValueError("DSpark generation needs use_cache=True (a cache the verifier can crop).")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("DSpark generation does not return attentions or hidden states.")
     if model_kwargs.get("inputs_embeds") is not None:
@@ -410,6 +468,44 @@ def _check_supported(generation_config: GenerationConfig, input_ids: torch.Tenso
         raise ValueError("output_scores/output_logits with DSpark need batch size 1")
 
 
+def _check_finite(logits: torch.Tensor) -> None:
+    """Refuse non-finite target logits by name instead of failing later in the scheduler or sampler."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(
+            "the target returned non-finite logits (NaN/inf), which plain generate would return too: e.g. Gemma 2's "
+            "eager attention in float64 overflows on the fully masked rows of left padding and spreads NaN to the "
+            "real tokens. Use float32 (or bfloat16), or prompts without padding."
+        )
+
+
+def _sliding_window(cache) -> int | None:
+    """The smallest sliding window among the cache's layers (``None``: no sliding-window layer)."""
+    windows = [layer.sliding_window for layer in getattr(cache, "layers", []) if getattr(layer, "is_sliding", False)]
+    return min(windows) if windows else None
+
+
+def _check_cache(cache, rows: int, max_length: int) -> None:
+    """Refuse, by name, the caches the verifier cannot roll back exactly."""
+    from transformers import DynamicCache
+
+    if cache is None:
+        raise ValueError("DSpark generation needs use_cache=True (a cache the verifier can crop).")
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"DSpark generation needs a DynamicCache, which it crops after each verify; got {type(cache).__name__} "
+            "(leave cache_implementation unset)"
+        )
+    window = _sliding_window(cache)
+    if window is not None and not hasattr(cache, "activate_past_recording"):
+        raise ValueError("this transformers release cannot roll back a sliding-window cache (activate_past_recording)")
+    if window is not None and rows > 1 and max_length > window:
+        # rejected slots of one row are holes that count toward the window in a batch, unlike in plain generate
+        raise ValueError(
+            f"the target attends through a sliding window of {window} tokens: a batch of {rows} rows can decode "
+            f"DSpark only within it (max_length {max_length} > {window}); run the rows one at a time"
+        )
+
+
 @torch.no_grad()
 def dspark_decode(
     target,
@@ -420,13 +516,15 @@ def dspark_decode(
     draft: DSparkDraftModel,
     streamer=None,
     synced_gpus: bool = False,
+    settings: DecodeSettings | None = None,
     **model_kwargs,
 ):
     """DSpark decoding with the arguments ``GenerationMixin.generate`` prepares for a decoding method.
 
-    ``input_ids`` [R, P] is a left-padded batch. Returns the sequences [R, P + new] (rows that finish early are
-    padded with the pad token, as plain ``generate`` does), or a ``GenerateDecoderOnlyOutput`` when
-    ``return_dict_in_generate``. ``draft.stats`` holds the per-round statistics afterwards.
+    ``input_ids`` [R, P] is a left-padded batch. ``settings``: this call's verify settings (default: the draft's
+    config). Returns the sequences [R, P + new] (rows that finish early are padded with the pad token, as plain
+    ``generate`` does), or a :class:`DSparkGenerateOutput` (``GenerateDecoderOnlyOutput`` plus this call's
+    ``dspark_stats``) when ``return_dict_in_generate``. ``draft.stats`` is the last finished call's statistics.
     """
     _check_supported(generation_config, input_ids, model_kwargs, streamer)
     if synced_gpus:
@@ -434,21 +532,19 @@ def dspark_decode(
     if not draft.is_attached or draft.target is not target:
         draft.attach(target)
     cache = cache_from(model_kwargs)
-    if cache is None:
-        raise ValueError("DSpark generation needs use_cache=True (a cache the verifier can crop).")
+    _check_cache(cache, input_ids.shape[0], generation_config.max_length)
     R, device = input_ids.shape[0], input_ids.device
     do_sample, gamma = generation_config.do_sample, draft.config.num_draft_tokens
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []
-    mode = resolve_verify_mode(draft)
-    draft.config.validate_lookup()  # the fields may have been changed on a loaded draft
-    lookup_on = draft.config.lookup_max_ngram > 0
+    settings = settings if settings is not None else DecodeSettings.resolve(draft)
+    mode = settings.verify_mode
+    lookup_on = settings.lookup_max_ngram > 0
     # the scheduler prices a drafted round as the draft block plus the verify step (sps: the verify step alone)
     priced = mode in ("scheduled", "async")
     sps, drafting, planning = _prices(draft, target, R, do_sample) if priced else (None, 0.0, None)
     stats = DSparkStats(block_size=gamma)
-    draft.stats = stats
     max_length = generation_config.max_length
     pad = generation_config._pad_token_tensor
     pad_id = int(pad) if pad is not None else 0
@@ -457,10 +553,17 @@ def dspark_decode(
     attention_mask = model_kwargs.get("attention_mask")
     cache_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     positions = (cache_mask.long().cumsum(-1) - 1).clamp_min(0)
+    given = model_kwargs.get("position_ids")
+    if given is not None and not torch.equal(given[cache_mask.bool()].to(positions), positions[cache_mask.bool()]):
+        raise ValueError("DSpark generation counts positions from the attention mask; other position_ids are not "
+                         "supported")  # fmt: skip
     out = _target_forward(target, input_ids, positions, attention_mask, cache, last_logits_only=True)
+    if _sliding_window(cache) is not None:  # after the prefill, as generate does: keep rejected slots until cropped
+        cache.activate_past_recording()
     context = DraftContext.empty(draft, R, device)
     context.extend(target_features(draft, out.hidden_states), positions, cache_mask.bool())
     raw = out.logits[:, -1]
+    _check_finite(raw)
     scores = _process(logits_processor, input_ids, raw.float() if raw.dtype != torch.float64 else raw)
     first = torch.multinomial(_probs(scores), 1)[:, 0] if do_sample else scores.argmax(-1)
     if want_scores:
@@ -485,20 +588,20 @@ def dspark_decode(
 
     # --- rounds -------------------------------------------------------------------------------------------------
     while not all(finished):
-        limit = min(gamma, draft.config.verify_limit if draft.config.verify_limit is not None else gamma)
+        limit = min(gamma, settings.verify_limit if settings.verify_limit is not None else gamma)
         room = [0 if finished[r] else min(limit, max_length - len(histories[r]) - 1) for r in range(R)]
         # a row whose recent tokens repeat earlier ones verifies what followed them instead of a drafted block, when
         # it is the only row running: in a batch every row shares the verify block's width, and lookups, which no
         # plan prices, widened it past what the scheduler pays for (R = 4: 58 tok/s against 67 scheduled)
         alone = lookup_on and sum(not f for f in finished) == 1
-        looked = lookups(draft.config, histories, room) if alone else {}
+        looked = lookups(settings, histories, room) if alone else {}
         caps = [0 if skip or r in looked else room[r] for r in range(R)]
         skip = max(skip - 1, 0)
         stats.round_rows.append([batch_rows[r] for r in range(R) if not finished[r]])
         # the plan grows column by column as the draft's slots come; drafting stops at the first column it closes on
         planner = None
         if STOP_DRAFTING_EARLY:
-            planner = column_plan(mode, draft.config.verify_layout, caps, planning, draft.config.confidence_threshold)
+            planner = column_plan(mode, settings.verify_layout, caps, planning, settings.confidence_threshold)
         early = planner is not None
         proposal = draft_block(
             draft, context, histories, anchor_pos, max(caps), logits_processor, do_sample,
@@ -508,8 +611,8 @@ def dspark_decode(
             lengths = planner.lengths
         else:
             lengths = choose_lengths(
-                mode, proposal.confidences, caps, conf_history, planning, draft.config.confidence_threshold,
-                draft.config.verify_layout,
+                mode, proposal.confidences, caps, conf_history, planning, settings.confidence_threshold,
+                settings.verify_layout,
             )  # fmt: skip
         if proposal.confidences is not None and proposal.confidences.shape[1]:
             conf_history = [*conf_history[-1:], proposal.confidences.cpu()]
@@ -536,6 +639,7 @@ def dspark_decode(
         full_mask = torch.cat([cache_mask, slot_valid.long()], dim=1)
         out = _target_forward(target, block, block_positions, None if bool(full_mask.all()) else full_mask, cache)
         raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
+        _check_finite(raw[slot_valid])
 
         kept = torch.zeros(R, W, dtype=torch.bool, device=device)  # anchor + accepted: the new committed slots
         for r in range(R):
@@ -600,11 +704,13 @@ def dspark_decode(
     sequences = torch.full((len(histories), width), pad_id, dtype=torch.long, device=device)
     for r, h in enumerate(histories):
         sequences[r, : len(h)] = h
+    draft.stats = stats  # the last call to finish; its own stats come back on a dict output
     if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(
+        return DSparkGenerateOutput(
             sequences=sequences,
             scores=tuple(scores_out) if want_scores else None,
             logits=tuple(logits_out) if want_logits else None,
+            dspark_stats=stats,
             **{CACHE_FIELD: cache},
         )
     return sequences

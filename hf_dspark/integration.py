@@ -23,7 +23,7 @@ import inspect
 
 from transformers.generation.utils import GenerationMixin
 
-from .generation import dspark_decode
+from .generation import DecodeSettings, dspark_decode
 from .modeling_dspark import DSparkDraftModel
 
 _ORIGINALS: dict[str, object] = {}
@@ -35,7 +35,7 @@ def _wrap_validate(original):
         draft = generation_mode_kwargs.get("assistant_model")
         if isinstance(draft, DSparkDraftModel):
             draft.check_target(self)
-            if generation_config.num_beams != 1:
+            if generation_config.num_beams not in (None, 1):
                 raise ValueError("DSpark generation does not support beam search (num_beams must be 1).")
             for key in ("assistant_tokenizer",):
                 if key in generation_mode_kwargs:
@@ -68,15 +68,22 @@ def dspark_generate(
     stopping_criteria,
     generation_config,
     draft: DSparkDraftModel | None = None,
+    verify_mode: str | None = None,
+    verify_limit: int | None = None,
+    confidence_threshold: float | None = None,
+    lookup_max_ngram: int | None = None,
+    lookup_min_ngram: int | None = None,
     **model_kwargs,
 ):
     """DSpark decoding as a ``custom_generate`` callable: ``target.generate(**inputs,
     custom_generate=hf_dspark.dspark_generate, draft=draft, max_new_tokens=...)``.
 
     ``generate`` passes the prepared ``input_ids`` [R, P] (left-padded for a batch), logits processors, stopping
-    criteria, generation config and model kwargs (attention mask, cache), plus the keywords this signature declares
-    (``draft``). Returns what :func:`dspark_decode` returns: sequences [R, P + new], or a
-    ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``.
+    criteria, generation config and model kwargs (attention mask, cache), plus the keywords this signature declares:
+    ``draft``, and this call's settings (``verify_mode``, ``verify_limit``, ``confidence_threshold``,
+    ``lookup_max_ngram``, ``lookup_min_ngram``; ``None``: the draft's saved config, which is never changed).
+    Returns what :func:`dspark_decode` returns: sequences [R, P + new], or a ``DSparkGenerateOutput`` (with this
+    call's ``dspark_stats``) with ``return_dict_in_generate=True``.
 
     Streamers: ``generate`` hands a ``custom_generate`` callable neither ``streamer=`` nor ``assistant_model=`` (both
     are its own arguments, and it has already put the prompt into the streamer). The streamer is taken from the
@@ -88,13 +95,17 @@ def dspark_generate(
             f"(got {type(draft).__name__ if draft is not None else 'no draft'})"
         )
     draft.check_target(model)
-    if generation_config.num_beams != 1:
+    if generation_config.num_beams not in (None, 1):
         raise ValueError("DSpark generation does not support beam search (num_beams must be 1).")
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError("DSpark generation does not support num_return_sequences > 1.")
+    settings = DecodeSettings.resolve(
+        draft, verify_mode=verify_mode, verify_limit=verify_limit, confidence_threshold=confidence_threshold,
+        lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram,
+    )  # fmt: skip
     return dspark_decode(
         model, input_ids, logits_processor, stopping_criteria, generation_config, draft=draft,
-        streamer=_callers_streamer(model), **model_kwargs,
+        streamer=_callers_streamer(model), settings=settings, **model_kwargs,
     )  # fmt: skip
 
 

@@ -126,6 +126,10 @@ class _TargetRef:
         self.lm_head = target.get_output_embeddings()
 
 
+# from_pretrained's download options, honoured by the layout probe as transformers honours them
+HUB_DOWNLOAD_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
+
+
 class DSparkDraftModel(PreTrainedModel):
     """A DSpark draft: γ slots (anchor + γ-1 masks) in, base logits and hidden states for γ draft tokens out.
 
@@ -461,11 +465,16 @@ class DSparkDraftModel(PreTrainedModel):
         import json
         from pathlib import Path
 
+        subfolder = kwargs.get("subfolder") or ""
         folder = Path(name_or_path)
         if not folder.is_dir():
             from huggingface_hub import snapshot_download
 
-            folder = Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
+            hub = {k: kwargs[k] for k in HUB_DOWNLOAD_KWARGS if kwargs.get(k) is not None}
+            where = f"{subfolder}/" if subfolder else ""
+            patterns = [f"{where}*.json", f"{where}*.safetensors"]
+            folder = Path(snapshot_download(str(name_or_path), allow_patterns=patterns, **hub))
+        folder = folder / subfolder
         config_file = folder / "config.json"
         if not config_file.is_file():
             return None  # let transformers report the missing file
@@ -485,6 +494,22 @@ class DSparkDraftModel(PreTrainedModel):
         )
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Like ``PreTrainedModel.save_pretrained``, always safetensors; the borrowed target weights are not saved."""
+        """Like ``PreTrainedModel.save_pretrained``, always safetensors; the borrowed target weights are not saved.
+        Inside :meth:`push_to_hub` it also writes ``custom_generate/`` for the repository being pushed to."""
         kwargs["safe_serialization"] = True
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        repo_id = getattr(self, "_pushing_to", None)
+        if repo_id is not None and kwargs.get("is_main_process", True):
+            from .hub_generate import write_custom_generate
+
+            write_custom_generate(save_directory, repo_id)
+        return result
+
+    def push_to_hub(self, repo_id: str, *args, **kwargs):
+        """``PreTrainedModel.push_to_hub``, plus ``custom_generate/`` so that ``target.generate(**inputs,
+        custom_generate=repo_id, trust_remote_code=True)`` decodes with this draft."""
+        self._pushing_to = repo_id
+        try:
+            return super().push_to_hub(repo_id, *args, **kwargs)
+        finally:
+            del self._pushing_to

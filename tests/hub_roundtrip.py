@@ -31,3 +31,19 @@ result = {
     ),
 }
 (work / "result.json").write_text(json.dumps(result))
+
+# the Hub route: the pushed repos carry custom_generate/, which loads the draft from the same repo
+for repo in ("hf-dspark-test/tiny-draft", "hf-dspark-test/tiny-draft-2"):
+    out = target.generate(ids, custom_generate=repo, trust_remote_code=True, **kw)
+    result[f"custom_generate {repo}"] = out.tolist() == ref
+# from_pretrained's download options reach the layout probe: a cache_dir, then that cache alone
+cache = work / "cache"
+DSparkDraftModel.from_pretrained("hf-dspark-test/tiny-draft", cache_dir=cache, revision="main")
+offline = DSparkDraftModel.from_pretrained("hf-dspark-test/tiny-draft", cache_dir=cache, local_files_only=True)
+result["offline_from_cache_dir"] = target.generate(ids, assistant_model=offline, **kw).tolist() == ref
+try:
+    DSparkDraftModel.from_pretrained("hf-dspark-test/tiny-draft", cache_dir=work / "empty", local_files_only=True)
+    result["empty_cache_refused"] = False
+except OSError:
+    result["empty_cache_refused"] = True
+(work / "result.json").write_text(json.dumps(result))

@@ -141,3 +141,65 @@ def test_refused_inputs_name_the_problem():
                         custom_generate=dspark_generate, draft=draft)  # fmt: skip
     with pytest.raises(ValueError, match="not used by the model"):
         target.generate(ids, max_new_tokens=4, custom_generate=dspark_generate, draft=draft, verify_modee="x")
+
+
+def test_per_call_settings_leave_the_saved_config_alone():
+    target = tiny_target("llama", vocab_size=96)
+    draft = _draft(target, "scheduled")
+    before = draft.config.to_dict()
+    ids = torch.tensor([[5, 9, 13, 2, 40, 5, 9, 13, 2, 40, 5, 9]])  # repeats: lookups find continuations
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, custom_generate=dspark_generate, draft=draft,
+                          verify_mode="fixed", verify_limit=2, return_dict_in_generate=True)  # fmt: skip
+    assert out.sequences.tolist() == ref.tolist()
+    assert max(n for rnd in out.dspark_stats.verify_rounds for n in rnd) == 2  # fewer only at the length limit
+    assert out.dspark_stats is draft.stats
+    looked = target.generate(ids, max_new_tokens=20, do_sample=False, custom_generate=dspark_generate, draft=draft,
+                             lookup_max_ngram=3, lookup_min_ngram=2)  # fmt: skip
+    assert looked.tolist() == ref.tolist() and any(draft.stats.looked_up)
+    assert draft.config.to_dict() == before
+    for bad, message in [
+        (dict(verify_mode="fast"), "verify_mode must be one of"),
+        (dict(verify_limit=-1), "verify_limit must be an int >= 0"),
+        (dict(confidence_threshold=1.5), r"confidence_threshold must lie in \[0, 1\]"),
+        (dict(lookup_max_ngram=2, lookup_min_ngram=3), "lookup_min_ngram must be an int between 1 and"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            target.generate(ids, max_new_tokens=4, custom_generate=dspark_generate, draft=draft, **bad)
+
+
+def test_two_threads_sharing_a_draft_keep_their_own_settings_and_stats():
+    """Two visitors of the demo at once: one shared draft, different verify limits, real threads."""
+    import threading
+
+    target = tiny_target("llama", vocab_size=96)
+    draft = _draft(target, "fixed")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 96, (1, 6), generator=g) for _ in range(4)]
+    refs = [target.generate(p, max_new_tokens=24, do_sample=False).tolist() for p in prompts]
+
+    def call(p, limit):
+        return target.generate(p, max_new_tokens=24, do_sample=False, custom_generate=dspark_generate, draft=draft,
+                               verify_limit=limit, return_dict_in_generate=True)  # fmt: skip
+
+    alone = {(i, limit): call(p, limit).dspark_stats.verify_rounds for i, p in enumerate(prompts) for limit in (1, 4)}
+    results, errors = {}, []
+
+    def worker(limit):
+        try:
+            for i, p in enumerate(prompts):
+                out = call(p, limit)
+                results[(i, limit)] = (out.sequences.tolist(), out.dspark_stats.verify_rounds)
+        except Exception as e:  # surfaced below: an assertion in a thread would not fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(limit,)) for limit in (1, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for (i, limit), (sequences, rounds) in results.items():
+        assert sequences == refs[i]
+        assert rounds == alone[(i, limit)]  # the same rounds as the same call alone
+        assert max(n for rnd in rounds for n in rnd) == limit

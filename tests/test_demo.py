@@ -21,14 +21,15 @@ def running_demo():
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     demo = build_demo(target, tokenizer, draft)
     demo.queue().launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
-    yield demo, target, tokenizer
+    yield demo, target, tokenizer, draft
     demo.close()
 
 
 def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     from gradio_client import Client
 
-    demo, target, tokenizer = running_demo
+    demo, target, tokenizer, draft = running_demo
+    saved = draft.config.to_dict()
     assert demo.local_url.startswith("http://127.0.0.1:")
     client = Client(demo.local_url, verbose=False)
     plain, dspark_html, stats, chart = client.predict(
@@ -70,13 +71,14 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     )  # fmt: skip
     assert plain_lk == expected and html.unescape(re.sub(r"<[^>]+>", "", dspark_lk)) == expected
     looked = int(stats_lk.split(" looked up")[0].rsplit("(", 1)[1])
+    assert draft.config.to_dict() == saved  # every request's settings were its own
     assert 0 < looked <= int(stats_lk.split(" rounds")[0].rsplit(" ", 1)[1])
 
 
 def test_api_errors_are_messages_not_traces(running_demo):
     from gradio_client import Client
 
-    demo, _, _ = running_demo
+    demo, *_ = running_demo
     client = Client(demo.local_url, verbose=False)
     with pytest.raises(Exception, match="Please enter a prompt"):
         client.predict("   ", False, 0.7, 16, 4, "fixed", True, False, api_name="/compare")
@@ -88,7 +90,7 @@ def test_browser_types_a_prompt_and_sees_both_outputs(running_demo, tmp_path):
     """A person's path through the page, in headless Debian Chromium driven by Playwright (no browser download)."""
     from playwright.sync_api import sync_playwright
 
-    demo, _, _ = running_demo
+    demo, *_ = running_demo
     flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
              "--disable-component-update", "--disable-sync",
              "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost"]  # fmt: skip

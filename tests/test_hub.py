@@ -17,15 +17,26 @@ def test_push_and_pull_round_trip(tmp_path):
     server, state, url = start_hub()
     try:
         here = Path(__file__).parent
+        path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])  # keeps an older transformers first
         env = {**os.environ, "HF_ENDPOINT": url, "HF_TOKEN": "hf_dummy", "HF_HUB_OFFLINE": "0",
-               "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": str(here), "HF_HUB_DISABLE_XET": "1"}  # fmt: skip
+               "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": path, "HF_HUB_DISABLE_XET": "1"}  # fmt: skip
         proc = subprocess.run([sys.executable, str(here / "hub_roundtrip.py"), str(tmp_path)], env=env,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads((tmp_path / "result.json").read_text())
-        assert result == {"same_output": True, "same_output_2": True, "same_weights": True}
+        assert result == {
+            "same_output": True, "same_output_2": True, "same_weights": True,
+            "custom_generate hf-dspark-test/tiny-draft": True, "custom_generate hf-dspark-test/tiny-draft-2": True,
+            "offline_from_cache_dir": True, "empty_cache_refused": True,
+        }  # fmt: skip
         files = state.repos["hf-dspark-test/tiny-draft"]
-        assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+        assert {"config.json", "model.safetensors", "README.md", "custom_generate/generate.py",
+                "custom_generate/requirements.txt"} <= set(files)  # fmt: skip
+        assert b"DRAFT_REPO = 'hf-dspark-test/tiny-draft'" in files["custom_generate/generate.py"]
+        assert (
+            b"DRAFT_REPO = 'hf-dspark-test/tiny-draft-2'"
+            in state.repos["hf-dspark-test/tiny-draft-2"]["custom_generate/generate.py"]
+        )
         for name in ("config.json", "model.safetensors"):  # byte-identical to the local folder
             assert files[name] == (tmp_path / "draft" / name).read_bytes()
         assert "hf-dspark-test/tiny-draft" in files["README.md"].decode()
