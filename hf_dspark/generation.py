@@ -545,6 +545,7 @@ def dspark_decode(
     priced = mode in ("scheduled", "async")
     sps, drafting, planning = _prices(draft, target, R, do_sample) if priced else (None, 0.0, None)
     stats = DSparkStats(block_size=gamma)
+    draft.stats = stats  # the running call's, as it runs (set again at the end: the last call to finish)
     max_length = generation_config.max_length
     pad = generation_config._pad_token_tensor
     pad_id = int(pad) if pad is not None else 0

@@ -59,6 +59,29 @@ def test_masked_logits_with_whole_tiles_at_minus_inf(sample):
     assert keep[tokens].all()  # argmax and Gumbel-max samples stay inside the allowed set
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_last_program_reduces_more_tiles_than_one_chunk(sample):
+    """More partials than the reduce loop's chunk (LAUNCH_BLOCKS["BLOCK_T"]): 1000 / 8 = 125 tiles = 2 chunks.
+    Row 0: a tie between a tile of the first chunk and one of the second (the lower index wins, as argmax).
+    Row 1: the whole first chunk at -inf (logsumexp stays finite). Row 2: the maximum in the second chunk."""
+    from dspark_heads.lowrank_step import LAUNCH_BLOCKS
+
+    R, V, r, block_v = 3, 1000, 8, 8
+    assert V // block_v > LAUNCH_BLOCKS["BLOCK_T"]
+    g = torch.Generator().manual_seed(5)
+    U, w2, code = torch.randn(R, V, generator=g), torch.zeros(V, r), torch.zeros(R, r)
+    U[0, 100], U[0, 900] = 50.0, 50.0
+    U[1, : 64 * block_v] = float("-inf")
+    U[2, 777] = 60.0
+    logits, tokens, lse, _ = lowrank_step(U, w2, code=code, block_v=block_v, sample=sample, seed=7)
+    ref_logits, _, ref_lse, _ = lowrank_step_reference(U, w2, code=code)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits)
+    if not sample:
+        assert tokens.tolist() == [100, ref_logits[1].argmax().item(), 777]
+    assert tokens[1] >= 64 * block_v  # never a token of the -inf chunk
+
+
 @pytest.mark.parametrize("R", [1, 5])
 def test_rnn_code_step_matches_reference(R):
     V, r = 300, 8

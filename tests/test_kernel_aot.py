@@ -1,0 +1,20 @@
+"""The Triton kernel compiled ahead of time for real GPUs (sm_80, sm_90) with Triton's bundled ptxas, no GPU
+needed: every variant the dispatcher can launch must compile, within the register and stack goals."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from kernel_resources import GOALS, VOCABS, compile_all, variants  # noqa: E402
+
+
+def test_every_variant_compiles_for_sm80_and_sm90_within_the_goals():
+    records = compile_all([80, 90], jobs=2)
+    assert len(records) == 2 * len(variants()) * len(VOCABS) == 240
+    assert {r["arch"] for r in records} == {"sm_80", "sm_90"}
+    over = [f"{r['arch']} {r['variant']}: {r['registers']} registers, {r['stack_bytes']} B stack" for r in records
+            if r["registers"] > GOALS["registers"] or r["stack_bytes"] > GOALS["stack_bytes"]]  # fmt: skip
+    assert not over, "kernel variants over the resource goals:\n" + "\n".join(sorted(set(over)))
+    assert all(r["registers"] > 0 and r["shared_bytes"] >= 0 for r in records)
