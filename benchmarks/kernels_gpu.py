@@ -103,11 +103,8 @@ def round_share(gamma: int, R: int = 128, L: int = 512) -> dict:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/kernels_gpu.json")
-    args = ap.parse_args()
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
+def kernel_checks() -> list[dict]:
+    """Sections 1 and 2: correctness and time per step at V ∈ {151936, 49152}, R ∈ {1, 32, 128} (CUDA only)."""
     rows, r = [], 256
     for V in (151936, 49152):
         for R in (1, 32, 128):
@@ -137,7 +134,15 @@ def main() -> None:
                 f"V={V:6d} R={R:3d}  exact={ok} err={err:.2e}  kernel {t_kernel:.3f} ms  ref {t_ref:.3f} ms  "
                 f"x{t_ref / t_kernel:.1f}  W2 stream {bw:.0f} GB/s"
             )
+    return rows
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/kernels_gpu.json")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
+    rows = kernel_checks()
     share = [round_share(gamma) for gamma in (4, 8, 16)]
     result = dict(
         device=torch.cuda.get_device_name(),

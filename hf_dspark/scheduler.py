@@ -173,7 +173,7 @@ def probe_seconds(target, fresh: bool = False) -> float:
 def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5, rows: int = 1) -> dict[int, float]:
     """Median seconds of one target forward over B new tokens after a ``context``-token cache, for B in ``grid``
     (random token ids; ``reps + 1`` passes over the whole grid, so drift hits every B alike, the first a warm-up).
-    The call is the one the decoding loop makes (explicit positions, hidden states returned). With ``rows`` > 1
+    The call is the one the decoding loop makes (explicit positions, no hidden states returned). With ``rows`` > 1
     the B tokens are a [rows, B / rows] block on a batch of ``rows`` caches, the shape a padded batched verify
     has (every B must then be a multiple of ``rows``), under a 2-D attention mask with a padding hole as a
     left-padded batch carries (on CPU a masked step takes another attention path and costs differently).
@@ -197,7 +197,7 @@ def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5
     def forward(start: int, stop: int):
         attention = mask[:, :stop] if rows > 1 else None
         target(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], attention_mask=attention,
-               use_cache=True, output_hidden_states=True, **{cache_argument(type(target)): cache})  # fmt: skip
+               use_cache=True, **{cache_argument(type(target)): cache})  # fmt: skip
 
     cache = DynamicCache()
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
