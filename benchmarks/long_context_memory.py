@@ -4,8 +4,10 @@
 
 Each measurement runs in a fresh process: a randomly initialised Llama-shaped target (no download; big enough
 that a layer's hidden states over the prompt are visible), a ``from_target`` draft, one prompt of random tokens,
-8 new tokens greedy. Peak = the highest resident set size sampled every millisecond during `generate`, minus the
-resident set size just before it. Methods: ``plain``; ``dspark`` (the loop as shipped: forward hooks keep only
+8 new tokens greedy. Peak = the process's high-water resident set size (``ru_maxrss``, kept by the kernel) after
+`generate`, minus the resident set size just before it (loading peaks far lower); each measurement is repeated in
+``--repeats`` fresh processes and the median is reported (single runs vary by ±10% with the allocator).
+Methods: ``plain``; ``dspark`` (the loop as shipped: forward hooks keep only
 the layers the draft reads); ``dspark-all-layers`` (the loop asking the target for every layer's hidden states,
 as before the hooks). Goal: dspark ≤ plain + the draft's weights + its context cache + 5% of plain.
 Writes ``memory.json`` and ``memory.md`` into ``--out``.
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -49,22 +52,14 @@ def measure(method: str, length: int) -> dict:
     kw = dict(max_new_tokens=8, do_sample=False)
     if method != "plain":
         kw.update(custom_generate=dspark_generate, draft=draft)
-    peak, stop = [0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], rss_bytes())
-            time.sleep(0.001)
-
     base = rss_bytes()
-    sampler = threading.Thread(target=sample)
-    sampler.start()
+    if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 > base * 1.02:
+        raise RuntimeError("loading peaked above the loaded process: the high-water mark would hide generate's")
     t0 = time.perf_counter()
     with torch.no_grad():
         target.generate(ids, **kw)
     seconds = time.perf_counter() - t0
-    stop.set()
-    sampler.join()
+    peak = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]
     c, itemsize = draft.config, 4
     context_cache = len(draft.layers) * 2 * length * c.num_key_value_heads * c.head_dim * itemsize
     draft_weights = sum(p.numel() * p.element_size() for p in draft.parameters())  # embedding/head are borrowed
@@ -98,6 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "long_context_memory")
     ap.add_argument("--one", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)  # a worker process
     args = ap.parse_args()
@@ -107,10 +103,14 @@ def main() -> None:
     rows = []
     for length in args.lengths:
         for method in args.methods:
-            proc = subprocess.run([sys.executable, __file__, "--one", method, str(length)], capture_output=True,
-                                  text=True, check=True)  # fmt: skip
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"{method:>18} {length:>6}: {rows[-1]['peak_above_loaded_mb']:8.1f} MB  {rows[-1]['seconds']:.1f} s")
+            runs = []
+            for _ in range(args.repeats):
+                proc = subprocess.run([sys.executable, __file__, "--one", method, str(length)], capture_output=True,
+                                      text=True, check=True)  # fmt: skip
+                runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            peaks = [r["peak_above_loaded_mb"] for r in runs]
+            rows.append({**runs[0], "peak_above_loaded_mb": statistics.median(peaks), "runs_mb": peaks})
+            print(f"{method:>18} {length:>6}: {rows[-1]['peak_above_loaded_mb']:8.1f} MB (runs {peaks})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory.json").write_text(json.dumps(rows, indent=1) + "\n")
     md = (f"Target: random Llama, {TARGET['num_hidden_layers']} layers, hidden {TARGET['hidden_size']}, float32, "

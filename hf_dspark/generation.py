@@ -64,6 +64,9 @@ def _process(logits_processor: LogitsProcessorList, ids: torch.Tensor, scores: t
     return logits_processor(ids, scores) if logits_processor else scores
 
 
+FLUSH_CHUNK = 1024  # context positions projected per call (every position is projected on its own)
+
+
 @dataclass
 class DraftContext:
     """The draft's cache of projected context keys/values, one (k, v) pair per draft layer: [R, KV, L, hd].
@@ -85,12 +88,21 @@ class DraftContext:
         """Project the queued hidden states (only those: the cache keeps earlier projections) and append them."""
         if not self.pending:
             return
-        features, positions, valid = (torch.cat(parts, dim=1) for parts in zip(*self.pending, strict=True))
+        features, positions, valid = (
+            parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for parts in zip(*self.pending, strict=True)
+        )  # one queued round (the prefill, a drafted round) is used as it is: no copy of a long prompt's states
         self.pending = []
-        features = torch.where(valid[..., None], features, 0)  # holes may hold garbage; keep it out of the cache
-        new = draft.context_key_values(features.to(draft.dtype), positions)
-        self.keys = [torch.cat([k, nk], dim=2) for k, (nk, _) in zip(self.keys, new, strict=True)]
-        self.values = [torch.cat([v, nv], dim=2) for v, (_, nv) in zip(self.values, new, strict=True)]
+        if not bool(valid.all()):  # holes may hold garbage; keep it out of the cache
+            features = torch.where(valid[..., None], features, 0)
+        # a long prompt is projected FLUSH_CHUNK positions at a time: the projection's intermediates stay small
+        chunks = [
+            draft.context_key_values(
+                features[:, i : i + FLUSH_CHUNK].to(draft.dtype), positions[:, i : i + FLUSH_CHUNK]
+            )
+            for i in range(0, features.shape[1], FLUSH_CHUNK)
+        ]
+        self.keys = [torch.cat([k, *(c[j][0] for c in chunks)], dim=2) for j, k in enumerate(self.keys)]
+        self.values = [torch.cat([v, *(c[j][1] for c in chunks)], dim=2) for j, v in enumerate(self.values)]
         self.valid = torch.cat([self.valid, valid], dim=1)
 
     def select(self, rows: torch.Tensor) -> None:
@@ -144,7 +156,7 @@ class LayerTap:
 
     def __init__(self, target, layer_ids: list[int]):
         self.layer_ids = list(layer_ids)
-        self.captured: dict[int, torch.Tensor] = {}
+        self.buffer: torch.Tensor | None = None  # [R, n, m·d_t], filled slice by slice as the layers run
         self.handles = []
         self.thread = threading.get_ident()
         decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
@@ -158,18 +170,29 @@ class LayerTap:
         return bool(self.handles)
 
     def _hook(self, layer: int):
+        slots = [i for i, tapped in enumerate(self.layer_ids) if tapped == layer]
+
         def keep(module, args, output):
-            if threading.get_ident() == self.thread:
-                self.captured[layer] = output[0] if isinstance(output, tuple) else output
+            if threading.get_ident() != self.thread or self.buffer is None:
+                return
+            hidden = output[0] if isinstance(output, tuple) else output
+            d = hidden.shape[-1]
+            for i in slots:  # copied into place at once, so the layer's own output can be freed as the model goes on
+                self.buffer[..., i * d : (i + 1) * d].copy_(hidden)
 
         return keep
+
+    def expect(self, rows: int, tokens: int, hidden_size: int, dtype: torch.dtype, device) -> None:
+        """Allocate the [rows, tokens, m·hidden_size] buffer the next forward fills."""
+        if self.active:
+            shape = (rows, tokens, len(self.layer_ids) * hidden_size)
+            self.buffer = torch.empty(shape, dtype=dtype, device=device)
 
     def features(self, out) -> torch.Tensor:
         """[R, n, m·d_t] of the forward that produced ``out`` (its hidden states when the tap is inactive)."""
         if not self.active:
             return torch.cat([out.hidden_states[layer + 1] for layer in self.layer_ids], dim=-1)
-        features = torch.cat([self.captured[layer] for layer in self.layer_ids], dim=-1)
-        self.captured.clear()
+        features, self.buffer = self.buffer, None
         return features
 
     def __enter__(self) -> LayerTap:
@@ -178,7 +201,7 @@ class LayerTap:
     def __exit__(self, *exc) -> None:
         for handle in self.handles:
             handle.remove()
-        self.handles, self.captured = [], {}
+        self.handles, self.buffer = [], None
 
 
 def _target_forward(target, ids, positions, attention_mask, cache, tap: LayerTap, last_logits_only: bool = False):
@@ -188,6 +211,8 @@ def _target_forward(target, ids, positions, attention_mask, cache, tap: LayerTap
     a CPU."""
     extra = {"logits_to_keep": 1} if last_logits_only and _takes_logits_to_keep(type(target)) else {}
     extra[cache_argument(type(target))] = cache
+    text = target.config.get_text_config()
+    tap.expect(ids.shape[0], ids.shape[1], text.hidden_size, target.dtype, ids.device)
     out = target(
         input_ids=ids,
         position_ids=positions,

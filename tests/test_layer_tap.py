@@ -19,6 +19,7 @@ def test_tapped_features_equal_the_hidden_states_they_replace(arch):
     hooks = [len(layer._forward_hooks) for layer in layers]  # transformers registers some of its own
     with LayerTap(target, draft.config.target_layer_ids) as tap:
         assert tap.active
+        tap.expect(2, 9, target.config.hidden_size, target.dtype, ids.device)
         out = target(ids, output_hidden_states=False)
         assert out.hidden_states is None
         assert torch.equal(tap.features(out), reference)
