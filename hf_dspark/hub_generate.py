@@ -22,6 +22,8 @@ DSparkDraftModel, and hf-dspark's per-call settings (``verify_mode=``, ``verify_
 
 import weakref
 
+from transformers import StoppingCriteriaList, StopStringCriteria
+
 import hf_dspark
 from hf_dspark import DSparkDraftModel
 
@@ -36,6 +38,14 @@ def generate(model, draft=None, **kwargs):
             draft = DSparkDraftModel.from_pretrained(DRAFT_REPO, dtype=model.dtype).to(model.device).attach(model)
             _drafts[model] = draft
     kwargs = {{k: v for k, v in kwargs.items() if not (k == "assistant_model" and v is None)}}
+    # generate hands a custom_generate callable no tokenizer, so stop strings travel as a criterion
+    stops, tokenizer = kwargs.pop("stop_strings", None), kwargs.pop("tokenizer", None)
+    if stops:
+        if tokenizer is None:
+            raise ValueError("stop_strings need tokenizer= (the target's tokenizer)")
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        kwargs["stopping_criteria"] = StoppingCriteriaList([*criteria, StopStringCriteria(tokenizer, stops)])
     return model.generate(custom_generate=hf_dspark.dspark_generate, draft=draft, **kwargs)
 '''
 

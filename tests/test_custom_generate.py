@@ -203,3 +203,25 @@ def test_two_threads_sharing_a_draft_keep_their_own_settings_and_stats():
         assert sequences == refs[i]
         assert rounds == alone[(i, limit)]  # the same rounds as the same call alone
         assert max(n for rnd in rounds for n in rnd) == limit
+
+
+def test_stop_strings_through_an_explicit_criterion():
+    """transformers hands a custom_generate callable no `tokenizer=`, so `stop_strings=` alone is refused by
+    transformers itself; the same stop strings as a StopStringCriteria stop exactly where plain generate stops."""
+    from conftest import char_tokenizer
+    from transformers import StopStringCriteria
+
+    target, tokenizer = tiny_target("llama", vocab_size=96), char_tokenizer()
+    draft = _draft(target)
+    ids = tokenizer("hello there", return_tensors="pt")["input_ids"]
+    text = tokenizer.decode(target.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1] :])
+    stop = text[10:12]
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    assert ref.shape[1] < ids.shape[1] + 30  # the stop string really stops it
+    with pytest.raises(ValueError, match="could not locate a tokenizer"):
+        target.generate(ids, max_new_tokens=30, stop_strings=[stop], tokenizer=tokenizer,
+                        custom_generate=dspark_generate, draft=draft)  # fmt: skip
+    criteria = StoppingCriteriaList([StopStringCriteria(tokenizer, [stop])])
+    out = target.generate(ids, max_new_tokens=30, do_sample=False, stopping_criteria=criteria,
+                          custom_generate=dspark_generate, draft=draft)  # fmt: skip
+    assert out.tolist() == ref.tolist()

@@ -27,7 +27,7 @@ def test_push_and_pull_round_trip(tmp_path):
         assert result == {
             "same_output": True, "same_output_2": True, "same_weights": True,
             "custom_generate hf-dspark-test/tiny-draft": True, "custom_generate hf-dspark-test/tiny-draft-2": True,
-            "offline_from_cache_dir": True, "empty_cache_refused": True,
+            "offline_from_cache_dir": True, "empty_cache_refused": True, "hub_stop_strings": True,
         }  # fmt: skip
         files = state.repos["hf-dspark-test/tiny-draft"]
         assert {"config.json", "model.safetensors", "README.md", "custom_generate/generate.py",
