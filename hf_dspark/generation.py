@@ -388,11 +388,6 @@ class DecodeSettings:
         return settings
 
 
-def resolve_verify_mode(draft: DSparkDraftModel) -> str:
-    """``config.verify_mode``; ``auto`` means ``scheduled`` with a confidence head, else ``fixed``."""
-    return DecodeSettings.resolve(draft).verify_mode
-
-
 def sps_profile(draft: DSparkDraftModel, target, rows: int) -> SPSProfile:
     """``draft.sps_profile`` if set; else the target's profile for a batch of ``rows``, measured on the shapes this
     loop verifies ([rows, 1 + ℓ] blocks, ℓ = 0..γ) once per (target, dtype, device, rows) and cached on disk."""
