@@ -26,7 +26,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+# runs from a bare checkout too (a borrowed GPU machine without the package installed): the package, its kernels
+# (installed as dspark_heads) and the benchmark helpers beside this file
+for path in (ROOT, ROOT / "kernels" / "torch-ext", ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 SHAPES = {
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
