@@ -71,35 +71,33 @@ FLUSH_CHUNK = 1024  # context positions projected per call (every position is pr
 class DraftContext:
     """The draft's cache of projected context keys/values, one (k, v) pair per draft layer: [R, KV, L, hd].
 
-    New target hidden states are queued by :meth:`extend` and projected by :meth:`flush`, which the next drafted
-    block calls first: rounds that do not draft (back-off, length limit) project nothing, and the queued rounds are
-    projected in one call."""
+    New fused context (the target's tapped layers through ``fc``: :class:`LayerTap`) is queued by :meth:`extend`
+    and projected to keys/values by :meth:`flush`, which the next drafted block calls first: rounds that do not
+    draft (back-off, length limit) project nothing, and the queued rounds are projected in one call."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     valid: torch.Tensor  # [R, L] bool: False for padding and rejected slots (flushed slots only)
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
-    def extend(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
-        """Queue new hidden states features [R, n, m·d_t] at positions [R, n] (valid [R, n]) for the next flush."""
-        self.pending.append((features, positions, valid))
+    def extend(self, fused: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """Queue new fused context [R, n, d] at positions [R, n] (valid [R, n]) for the next flush."""
+        self.pending.append((fused, positions, valid))
 
     def flush(self, draft: DSparkDraftModel) -> None:
-        """Project the queued hidden states (only those: the cache keeps earlier projections) and append them."""
+        """Project the queued context (only that: the cache keeps earlier projections) and append it."""
         if not self.pending:
             return
-        features, positions, valid = (
+        fused, positions, valid = (
             parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for parts in zip(*self.pending, strict=True)
         )  # one queued round (the prefill, a drafted round) is used as it is: no copy of a long prompt's states
         self.pending = []
         if not bool(valid.all()):  # holes may hold garbage; keep it out of the cache
-            features = torch.where(valid[..., None], features, 0)
+            fused = torch.where(valid[..., None], fused, 0)
         # a long prompt is projected FLUSH_CHUNK positions at a time: the projection's intermediates stay small
         chunks = [
-            draft.context_key_values(
-                features[:, i : i + FLUSH_CHUNK].to(draft.dtype), positions[:, i : i + FLUSH_CHUNK]
-            )
-            for i in range(0, features.shape[1], FLUSH_CHUNK)
+            draft.fused_key_values(fused[:, i : i + FLUSH_CHUNK].to(draft.dtype), positions[:, i : i + FLUSH_CHUNK])
+            for i in range(0, fused.shape[1], FLUSH_CHUNK)
         ]
         self.keys = [torch.cat([k, *(c[j][0] for c in chunks)], dim=2) for j, k in enumerate(self.keys)]
         self.values = [torch.cat([v, *(c[j][1] for c in chunks)], dim=2) for j, v in enumerate(self.values)]
@@ -144,19 +142,22 @@ def target_features(draft: DSparkDraftModel, hidden_states: tuple[torch.Tensor, 
 
 
 class LayerTap:
-    """Keeps, during a target forward, only the hidden states of the decoder layers the draft reads.
+    """Fuses, during a target forward, the hidden states of the decoder layers the draft reads into the draft's
+    context input as each layer runs: [R, n, d] (:meth:`DSparkDraftModel.fuse_context`), never [R, n, m·d_t].
 
-    ``output_hidden_states=True`` materialises every layer's [R, T, d] (at a 32k-token prompt on Qwen3-8B, 37 ×
-    32,768 × 4,096 × 2 B ≈ 9.9 GB); forward hooks on the ``target_layer_ids`` layers keep m of them. Their outputs
-    are ``hidden_states[l + 1]`` exactly for every layer but the last (whose entry is after the final norm), so a
-    draft reading the last layer, or a model whose decoder layers are not found, falls back to
-    ``output_hidden_states``. Hooks record only forwards run by the thread that made the tap, so two calls
-    sharing a target in two threads do not see each other's states. Use as a context manager.
+    ``output_hidden_states=True`` materialises every layer's [R, T, d_t] (at a 32k-token prompt on Qwen3-8B, 37 ×
+    32,768 × 4,096 × 2 B ≈ 9.9 GB); forward hooks on the ``target_layer_ids`` layers add each one's share of the
+    fusion into one [R, n, d] buffer, so at most one tapped layer's states are alive beside it. Their outputs are
+    ``hidden_states[l + 1]`` exactly for every layer but the last (whose entry is after the final norm), so a draft
+    reading the last layer, or a model whose decoder layers are not found, falls back to ``output_hidden_states``.
+    Hooks record only forwards run by the thread that made the tap, so two calls sharing a target in two threads
+    do not see each other's states. Use as a context manager.
     """
 
-    def __init__(self, target, layer_ids: list[int]):
-        self.layer_ids = list(layer_ids)
-        self.buffer: torch.Tensor | None = None  # [R, n, m·d_t], filled slice by slice as the layers run
+    def __init__(self, target, draft: DSparkDraftModel):
+        self.draft = draft
+        self.layer_ids = list(draft.config.target_layer_ids)
+        self.buffer: torch.Tensor | None = None  # [R, n, d], summed slot by slot as the layers run
         self.handles = []
         self.thread = threading.get_ident()
         decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
@@ -176,24 +177,24 @@ class LayerTap:
             if threading.get_ident() != self.thread or self.buffer is None:
                 return
             hidden = output[0] if isinstance(output, tuple) else output
-            d = hidden.shape[-1]
-            for i in slots:  # copied into place at once, so the layer's own output can be freed as the model goes on
-                self.buffer[..., i * d : (i + 1) * d].copy_(hidden)
+            for slot in slots:  # fused at once, so the layer's own output can be freed as the model goes on
+                self.draft.fuse_layer_into(self.buffer, slot, hidden)
 
         return keep
 
-    def expect(self, rows: int, tokens: int, hidden_size: int, dtype: torch.dtype, device) -> None:
-        """Allocate the [rows, tokens, m·hidden_size] buffer the next forward fills."""
+    def expect(self, rows: int, tokens: int, device) -> None:
+        """Allocate the [rows, tokens, d] buffer the next forward fills."""
         if self.active:
-            shape = (rows, tokens, len(self.layer_ids) * hidden_size)
-            self.buffer = torch.empty(shape, dtype=dtype, device=device)
+            shape = (rows, tokens, self.draft.config.hidden_size)
+            self.buffer = torch.zeros(shape, dtype=self.draft.dtype, device=device)
 
-    def features(self, out) -> torch.Tensor:
-        """[R, n, m·d_t] of the forward that produced ``out`` (its hidden states when the tap is inactive)."""
+    def fused(self, out) -> torch.Tensor:
+        """The draft's fused context input [R, n, d] of the forward that produced ``out`` (from its hidden states
+        when the tap is inactive)."""
         if not self.active:
-            return torch.cat([out.hidden_states[layer + 1] for layer in self.layer_ids], dim=-1)
-        features, self.buffer = self.buffer, None
-        return features
+            return self.draft.fuse_context(target_features(self.draft, out.hidden_states).to(self.draft.dtype))
+        fused, self.buffer = self.buffer, None
+        return fused
 
     def __enter__(self) -> LayerTap:
         return self
@@ -205,14 +206,13 @@ class LayerTap:
 
 
 def _target_forward(target, ids, positions, attention_mask, cache, tap: LayerTap, last_logits_only: bool = False):
-    """One target forward that extends ``cache``; returns (the model output, the draft's features [R, n, m·d_t]).
+    """One target forward that extends ``cache``; returns (the model output, the draft's fused context [R, n, d]).
     ``last_logits_only`` (the prefill) asks the model for the last position's logits alone: the prompt's other
     positions need only hidden states, and their LM head would cost more than the rest of a long batched prefill on
     a CPU."""
     extra = {"logits_to_keep": 1} if last_logits_only and _takes_logits_to_keep(type(target)) else {}
     extra[cache_argument(type(target))] = cache
-    text = target.config.get_text_config()
-    tap.expect(ids.shape[0], ids.shape[1], text.hidden_size, target.dtype, ids.device)
+    tap.expect(ids.shape[0], ids.shape[1], ids.device)
     out = target(
         input_ids=ids,
         position_ids=positions,
@@ -221,7 +221,7 @@ def _target_forward(target, ids, positions, attention_mask, cache, tap: LayerTap
         output_hidden_states=not tap.active,
         **extra,
     )
-    return out, tap.features(out)
+    return out, tap.fused(out)
 
 
 @functools.cache
@@ -415,10 +415,10 @@ def draft_seconds(
     if key not in draft.measured_draft_seconds:
         c = draft.config
         g = torch.Generator().manual_seed(0)
-        features = torch.randn(rows, context, c.num_target_features * c.target_hidden_size, generator=g)
+        fused = torch.randn(rows, context, c.hidden_size, generator=g)
         positions = torch.arange(context).expand(rows, -1).to(device)
         ctx = DraftContext.empty(draft, rows, device)
-        ctx.extend(features.to(device), positions, torch.ones(rows, context, dtype=torch.bool, device=device))
+        ctx.extend(fused.to(device, draft.dtype), positions, torch.ones(rows, context, dtype=torch.bool, device=device))
         histories = list(torch.zeros(rows, 1, dtype=torch.long, device=device))  # the ids do not change the cost
         anchors = torch.full((rows,), context, device=device)
         sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
@@ -599,7 +599,7 @@ def dspark_decode(
     ``generate`` does), or a :class:`DSparkGenerateOutput` (``GenerateDecoderOnlyOutput`` plus this call's
     ``dspark_stats``) when ``return_dict_in_generate``. ``draft.stats`` is the last finished call's statistics.
     """
-    with LayerTap(target, draft.config.target_layer_ids) as tap:
+    with LayerTap(target, draft) as tap:
         return _decode(
             target, input_ids, logits_processor, stopping_criteria, generation_config, draft, streamer, synced_gpus,
             settings, tap, **model_kwargs,
@@ -651,11 +651,11 @@ def _decode(
     if given is not None and not torch.equal(given[cache_mask.bool()].to(positions), positions[cache_mask.bool()]):
         raise ValueError("DSpark generation counts positions from the attention mask; other position_ids are not "
                          "supported")  # fmt: skip
-    out, features = _target_forward(target, input_ids, positions, attention_mask, cache, tap, last_logits_only=True)
+    out, fused = _target_forward(target, input_ids, positions, attention_mask, cache, tap, last_logits_only=True)
     if _sliding_window(cache) is not None:  # after the prefill, as generate does: keep rejected slots until cropped
         cache.activate_past_recording()
     context = DraftContext.empty(draft, R, device)
-    context.extend(features, positions, cache_mask.bool())
+    context.extend(fused, positions, cache_mask.bool())
     raw = out.logits[:, -1]
     _check_finite(raw)
     scores = _process(logits_processor, input_ids, raw.float() if raw.dtype != torch.float64 else raw)
@@ -732,7 +732,7 @@ def _decode(
         block_positions = anchor_pos[:, None] + torch.arange(W, device=device)
         full_mask = torch.cat([cache_mask, slot_valid.long()], dim=1)
         mask = None if bool(full_mask.all()) else full_mask
-        out, features = _target_forward(target, block, block_positions, mask, cache, tap)
+        out, fused = _target_forward(target, block, block_positions, mask, cache, tap)
         raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
         _check_finite(raw[slot_valid])
 
@@ -775,7 +775,7 @@ def _decode(
         used = int(kept.any(0).nonzero().max()) + 1
         cache.crop(-(W - used))
         cache_mask = torch.cat([cache_mask, kept[:, :used].long()], dim=1)
-        context.extend(features[:, :used], block_positions[:, :used], kept[:, :used])
+        context.extend(fused[:, :used], block_positions[:, :used], kept[:, :used])
 
         if compact and any(finished):
             keep = [r for r in range(R) if not finished[r]]

@@ -321,10 +321,27 @@ class DSparkDraftModel(PreTrainedModel):
         """H_ctx = RMSNorm(W_c [H^{l_1}; …; H^{l_m}]): [R, L, m·d_t] -> [R, L, d]."""
         return self.hidden_norm(self.fc(target_hidden_states))
 
+    def fuse_context(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """W_c [H^{l_1}; …; H^{l_m}] before the norm: [R, L, m·d_t] -> [R, L, d]."""
+        return self.fc(target_hidden_states)
+
+    def fuse_layer_into(self, fused: torch.Tensor, slot: int, hidden: torch.Tensor) -> None:
+        """Add tapped layer ``slot``'s share of :meth:`fuse_context`, W_c[:, slot·d_t:(slot+1)·d_t] H^{l_slot}, to
+        ``fused`` [R, L, d] in place (hidden [R, L, d_t]). Summed over the slots this is ``fuse_context`` of the
+        concatenation, so a decoding loop need never hold the m tapped layers of a long prompt at once."""
+        d_t = self.config.target_hidden_size
+        weight = self.fc.weight[:, slot * d_t : (slot + 1) * d_t]
+        flat = fused.view(-1, fused.shape[-1])
+        flat.addmm_(hidden.reshape(-1, d_t).to(fused.dtype), weight.t().to(fused.dtype))
+
     def context_key_values(self, target_hidden_states: torch.Tensor, positions: torch.Tensor):
         """Per-layer keys/values of newly committed context: [R, L, m·d_t], positions [R, L] -> [(k, v)] per layer,
         each [R, KV, L, head_dim]. Callers cache these and extend them each round."""
-        h = self.project_context(target_hidden_states)
+        return self.fused_key_values(self.fuse_context(target_hidden_states), positions)
+
+    def fused_key_values(self, fused: torch.Tensor, positions: torch.Tensor):
+        """:meth:`context_key_values` from the fused context [R, L, d] (:meth:`fuse_context`'s output)."""
+        h = self.hidden_norm(fused)
         return [layer.self_attn.key_values(h, positions) for layer in self.layers]
 
     def embed_block(self, anchor_ids: torch.Tensor) -> torch.Tensor:

@@ -260,13 +260,13 @@ def test_draft_context_is_extended_only_with_new_positions(monkeypatch):
     draft.config.verify_mode = "fixed"  # every round drafts (no back-off), so every round projects
     generation.draft_seconds(draft, 1)  # the scheduler's one-off timing of a draft block, on a made-up context
     projected = []
-    original = draft.context_key_values
+    original = draft.fused_key_values
 
-    def spy(features, positions):
-        projected.append(features.shape[1])
-        return original(features, positions)
+    def spy(fused, positions):
+        projected.append(fused.shape[1])
+        return original(fused, positions)
 
-    monkeypatch.setattr(draft, "context_key_values", spy)
+    monkeypatch.setattr(draft, "fused_key_values", spy)
     target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft)
     stats = draft.stats
     assert projected[0] == ids.shape[1]
@@ -288,8 +288,8 @@ def test_rounds_that_do_not_draft_queue_their_context_for_the_next_drafted_block
     monkeypatch.setattr(generation, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
     monkeypatch.setattr(generation, "drafting_pays", lambda *args: False)  # back off after every drafted round
     projected = []
-    original = draft.context_key_values
-    monkeypatch.setattr(draft, "context_key_values", lambda f, p: projected.append(f.shape[1]) or original(f, p))
+    original = draft.fused_key_values
+    monkeypatch.setattr(draft, "fused_key_values", lambda f, p: projected.append(f.shape[1]) or original(f, p))
     out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)
     assert out.tolist() == target.generate(ids, max_new_tokens=20, do_sample=False).tolist()
     stats = draft.stats
@@ -311,7 +311,7 @@ def test_head_switched_off_proposes_from_the_backbone_alone():
     with torch.no_grad():
         draft.sequential_head.markov_w2.weight.normal_(0, 3.0)
     ctx = DraftContext.empty(draft, 1, torch.device("cpu"))
-    feats = torch.randn(1, 5, len(draft.config.target_layer_ids) * 32)
+    feats = draft.fuse_context(torch.randn(1, 5, len(draft.config.target_layer_ids) * 32))
     ctx.extend(feats, torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool))
     ctx.flush(draft)
     history = [torch.tensor([7, 8, 9, 10, 11, 12])]
@@ -405,7 +405,7 @@ def test_greedy_drafting_inside_the_draft_vocabulary_equals_the_full_path(head, 
     draft.set_draft_vocab(list(range(3, 96, 3)))
     R = 3
     ctx = DraftContext.empty(draft, R, torch.device("cpu"))
-    feats = torch.randn(R, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64)
+    feats = draft.fuse_context(torch.randn(R, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64))
     ctx.extend(feats, torch.arange(6).expand(R, 6), torch.ones(R, 6, dtype=torch.bool))
     history = [torch.tensor([7, 8, 9, 10, 11, 12, 13]), torch.tensor([1, 2, 3, 4, 5, 6, 40]), torch.arange(20, 27)]
     args = (draft, ctx, history, torch.full((R,), 6), 4)

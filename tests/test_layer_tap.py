@@ -14,15 +14,17 @@ def test_tapped_features_equal_the_hidden_states_they_replace(arch):
     target = tiny_target(arch, layers=6)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
-    reference = target_features(draft, target(ids, output_hidden_states=True).hidden_states)
+    reference = draft.fuse_context(target_features(draft, target(ids, output_hidden_states=True).hidden_states))
     layers = target.get_decoder().layers
     hooks = [len(layer._forward_hooks) for layer in layers]  # transformers registers some of its own
-    with LayerTap(target, draft.config.target_layer_ids) as tap:
+    with LayerTap(target, draft) as tap:
         assert tap.active
-        tap.expect(2, 9, target.config.hidden_size, target.dtype, ids.device)
+        tap.expect(2, 9, ids.device)
         out = target(ids, output_hidden_states=False)
         assert out.hidden_states is None
-        assert torch.equal(tap.features(out), reference)
+        fused = tap.fused(out)  # the layers summed one by one as they ran, not concatenated and multiplied once
+        assert fused.shape == (2, 9, draft.config.hidden_size)
+        torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6)
     assert [len(layer._forward_hooks) for layer in layers] == hooks  # ours removed on exit
 
 
@@ -31,10 +33,10 @@ def test_a_draft_reading_the_last_layer_falls_back_to_hidden_states():
     target = tiny_target("llama", layers=4)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8, target_layer_ids=[1, 3])
     ids = torch.tensor([[5, 6, 7, 8]])
-    with LayerTap(target, draft.config.target_layer_ids) as tap:
+    with LayerTap(target, draft) as tap:
         assert not tap.active
         out = target(ids, output_hidden_states=True)
-        assert torch.equal(tap.features(out), target_features(draft, out.hidden_states))
+        assert torch.equal(tap.fused(out), draft.fuse_context(target_features(draft, out.hidden_states)))
     ref = target.generate(ids, max_new_tokens=10, do_sample=False)
     out = target.generate(ids, max_new_tokens=10, do_sample=False, custom_generate=dspark_generate, draft=draft)
     assert out.tolist() == ref.tolist()

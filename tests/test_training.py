@@ -381,7 +381,8 @@ def test_training_forward_matches_the_decoding_forward(setup, head, draft_vocab)
     with torch.no_grad():
         hidden = target(input_ids=ids[:, :a], output_hidden_states=True).hidden_states
         context = DraftContext.empty(draft, 1, ids.device)
-        context.extend(target_features(draft, hidden), torch.arange(a)[None], torch.ones(1, a, dtype=torch.bool))
+        fused = draft.fuse_context(target_features(draft, hidden))
+        context.extend(fused, torch.arange(a)[None], torch.ones(1, a, dtype=torch.bool))
         proposal = draft_block(draft, context, [ids[0, : a + 1]], torch.tensor([a]), 4, LogitsProcessorList(), False)
         seq = torch.cat([ids[:, : a + 1], proposal.tokens], dim=1)  # the anchor x_a, then the draft's own tokens
         valid = torch.ones_like(seq, dtype=torch.bool)
