@@ -44,7 +44,7 @@ def measure(method: str, length: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import hf_dspark.generation as generation
+    import hf_dspark.drafting as drafting
     from hf_dspark import DSparkDraftModel, dspark_generate
 
     torch.manual_seed(0)
@@ -52,7 +52,7 @@ def measure(method: str, length: int) -> dict:
     draft = DSparkDraftModel.from_target(target, block_size=8, head_rank=64)
     draft.config.verify_mode = "fixed"
     if method == "dspark-all-layers":
-        generation.LayerTap.active = property(lambda self: False)  # the loop as it was: every layer's states
+        drafting.LayerTap.active = property(lambda self: False)  # the loop as it was: every layer's states
     ids = torch.randint(3, TARGET["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=8, do_sample=False)
     if method != "plain":

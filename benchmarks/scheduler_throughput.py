@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hf_dspark import DSparkDraftModel, embedded, generation
+from hf_dspark import DSparkDraftModel, costs, embedded, generation, measure_sps
 from hf_dspark.evaluation.evaluate import load_prompts
 from hf_dspark.evaluation.readme import replace_block
 
@@ -219,7 +219,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has native bf16 units (see embedded.fast_dtype)")  # fmt: skip
     ap.add_argument(
-        "--readme", type=Path, default=None, help="also write the table into this README's throughput-<dtype> block"
+        "--readme",
+        type=Path,
+        default=None,
+        help="also write the table into this page's throughput-<dtype> block (docs/results.md)",
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/scheduler_throughput.json"))
     ap.add_argument("--from-json", action="store_true", help="only rewrite the table and plot from --out")
@@ -237,9 +240,9 @@ def main() -> None:
         # the profiles generate uses: one per batch size, on the [R, 1 + ℓ] shapes it verifies, including the
         # power-of-two sizes a batch shrinks through as rows finish; measured before any timing starts
         sizes = sorted({generation.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
-        draft.measure_sps(*sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
-        sps = {R: generation.sps_profile(draft, target, R).table for R in sizes}
-        draft_ms = {R: 1000 * generation.draft_seconds(draft, R) for R in sizes}
+        measure_sps(draft, *sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
+        sps = {R: costs.sps_profile(draft, target, R).table for R in sizes}
+        draft_ms = {R: 1000 * costs.draft_seconds(draft, R) for R in sizes}
         rows = [
             run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats, args.prompts) for R in args.rows
         ]

@@ -44,7 +44,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument(
-        "--readme", type=Path, default=None, help="also write the table into this README's verify-cost block"
+        "--readme",
+        type=Path,
+        default=None,
+        help="also write the table into this page's verify-cost block (docs/results.md)",
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/verify_cost.json"))
     args = ap.parse_args()

@@ -9,6 +9,7 @@ classes and routes ``target.generate(..., assistant_model=draft)`` to DSpark dec
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dspark import DSparkConfig
+from .costs import measure_sps
 from .integration import disable, dspark_generate, enable, is_enabled
 from .modeling_dspark import DSparkDraftModel, DSparkOutput
 from .stats import DSparkStats
@@ -28,4 +29,5 @@ __all__ = [
     "dspark_generate",
     "enable",
     "is_enabled",
+    "measure_sps",
 ]

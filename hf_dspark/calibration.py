@@ -1,4 +1,5 @@
-"""Sequential temperature scaling (STS, DSPARK.md §4), ECE and ROC-AUC of the confidence head.
+"""Sequential temperature scaling (STS), ECE and ROC-AUC of the confidence head (docs/method.md, "Confidence head
+and STS").
 
 The scheduler needs a_k = Π_{i≤k} c_i to be the probability that the first k draft tokens all survive. STS picks,
 for k = 1..γ in order and holding T_1..T_{k-1} fixed, the temperature T_k applied to the logit of c_k that

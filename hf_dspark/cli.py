@@ -201,8 +201,9 @@ def cmd_push(args) -> None:
 def cmd_results(args) -> None:
     from .evaluation.readme import write_results
 
-    write_results(args.readme, args.eval, args.bench, plots=args.plots)
-    print(f"updated the results section of {args.readme}")
+    readme = None if args.readme in (None, "", "none") else args.readme
+    write_results(args.out, args.eval, args.bench, plots=args.plots, readme=readme)
+    print(f"updated the results in {args.out}" + (f" and the summary in {readme}" if readme else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--message", default="Upload DSpark draft")
     p.set_defaults(func=cmd_push)
 
-    p = sub.add_parser("results", help="write the README's Results section from eval/bench JSON")
+    p = sub.add_parser("results", help="write the results page and the README's summary from eval/bench JSON")
     p.add_argument("--eval", nargs="+", default=None, help="eval.json file(s) from `hf-dspark eval` (concatenated)")
     p.add_argument(
         "--bench",
@@ -328,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="bench.json file(s) from `hf-dspark bench` (several runs are merged; ratios stay per run)",
     )
     p.add_argument("--plots", default=None, help="also write acceptance/tau/speedup PNGs of the merged results here")
-    p.add_argument("--readme", default="README.md")
+    p.add_argument("--out", default="docs/results.md", help="the results page whose results block is rewritten")
+    p.add_argument("--readme", default="README.md", help="whose summary block is rewritten ('none': leave it)")
     p.set_defaults(func=cmd_results)
     return ap
 

@@ -10,7 +10,7 @@ VERIFY_LAYOUTS = ("padded", "packed")
 
 
 class DSparkConfig(PretrainedConfig):
-    """Configuration of a DSpark draft model (see DSPARK.md §2–4).
+    """Configuration of a DSpark draft model (see docs/method.md).
 
     Backbone:
         block_size (γ): slots per block, the anchor followed by γ-1 mask slots; every slot proposes one token.

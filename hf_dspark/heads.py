@@ -1,4 +1,4 @@
-"""Sequential heads (DSPARK.md §3) and the confidence head (§4).
+"""Sequential heads and the confidence head (docs/method.md, "Sequential head", "Confidence head and STS").
 
 Each sequential head adds a bias B_k to the backbone's base logits U_k that depends on the tokens already chosen
 in the block. All heads share one step interface, so drafting runs them left to right without knowing which is

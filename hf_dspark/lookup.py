@@ -41,3 +41,15 @@ def lookup_continuation(history: torch.Tensor, max_ngram: int, min_ngram: int, m
 def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The proposal distribution of a deterministic draft: tokens [ℓ] -> q [ℓ, vocab_size], one-hot, float32."""
     return torch.nn.functional.one_hot(tokens, vocab_size).float()
+
+
+def lookups(config, histories: list[torch.Tensor], room: list[int]) -> dict[int, torch.Tensor]:
+    """Lookup drafting for one round: {row: the continuation [k ≤ room[r]] it verifies}, for the rows with room
+    whose last n-gram occurred earlier in their history (``config.lookup_max_ngram`` down to ``lookup_min_ngram``)."""
+    found = {}
+    for r, h in enumerate(histories):
+        if room[r] > 0:
+            tokens = lookup_continuation(h, config.lookup_max_ngram, config.lookup_min_ngram, room[r])
+            if tokens.numel():
+                found[r] = tokens
+    return found

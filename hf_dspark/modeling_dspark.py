@@ -1,4 +1,5 @@
-"""`DSparkDraftModel`: the parallel backbone with KV injection (DSPARK.md §2) plus its sequential and confidence heads.
+"""`DSparkDraftModel`: the parallel backbone with KV injection plus its sequential and confidence heads
+(docs/method.md, "Parallel backbone").
 
 Read top to bottom: norms and RoPE, one draft layer (attention whose keys/values are [context ; block]), the model
 (context projection, block embedding, backbone forward), then the target wiring (identity checks, shared embedding
@@ -17,6 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .compat import is_deepspec_config, is_dflash_config, load_deepspec, load_dflash
 from .configuration_dspark import DSparkConfig
 from .heads import ConfidenceHead, build_sequential_head
 
@@ -167,8 +169,6 @@ class DSparkDraftModel(PreTrainedModel):
         self._target: _TargetRef | None = None
         self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
         self.sps_profile = None  # hf_dspark.scheduler.SPSProfile set by the user; overrides the measured ones
-        self.measured_sps: dict = {}  # (target id, dtype, device, rows) -> (weakref to target, measured profile)
-        self.measured_draft_seconds: dict = {}  # (rows, do_sample, device, dtype) -> seconds of one draft block
         self.head_enabled = True  # False: propose from the parallel backbone alone (demo toggle, ablations)
         self.post_init()
 
@@ -224,20 +224,6 @@ class DSparkDraftModel(PreTrainedModel):
             self.to(dtype)
         self._target = _TargetRef(target)
         self._vocab_rows = None
-        return self
-
-    def measure_sps(self, *batch_sizes: int) -> DSparkDraftModel:
-        """Measure now (or load from the disk cache) the SPS profiles that scheduled ``generate`` uses for batches
-        of these sizes (default: 1) on the attached target, and the draft block's own cost for them (greedy), so
-        the first call does not pay for them. Returns ``self``. A profile the user set (``draft.sps_profile``)
-        replaces the measured verify profiles; the draft's cost is still measured."""
-        from .generation import draft_seconds, sps_profile  # the decoding loop imports this module
-
-        for rows in batch_sizes or (1,):
-            if not isinstance(rows, int) or rows < 1:
-                raise ValueError(f"batch sizes must be positive integers, got {rows!r}")
-            sps_profile(self, self.target, rows)
-            draft_seconds(self, rows)
         return self
 
     def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None) -> DSparkDraftModel:
@@ -474,8 +460,8 @@ class DSparkDraftModel(PreTrainedModel):
             raise ValueError(f"Malformed DSpark checkpoint {pretrained_model_name_or_path}: " + "; ".join(problems))
         return (model, info) if want_info else model
 
-    @staticmethod
-    def _foreign_layout(name_or_path, kwargs: dict) -> DSparkDraftModel | None:
+    @classmethod
+    def _foreign_layout(cls, name_or_path, kwargs: dict) -> DSparkDraftModel | None:
         """Load checkpoints written by other implementations (DeepSpec, z-lab DFlash); ``None`` for our own layout.
 
         Raises ``ValueError`` for a config.json that is neither ours nor a layout we know."""
@@ -498,12 +484,10 @@ class DSparkDraftModel(PreTrainedModel):
         raw = json.loads(config_file.read_text())
         if raw.get("model_type") == "dspark":
             return None
-        from .compat import is_deepspec_config, is_dflash_config, load_deepspec, load_dflash
-
         if is_deepspec_config(raw):
-            return load_deepspec(folder, raw, dtype=kwargs.get("dtype"))
+            return load_deepspec(cls, folder, raw, dtype=kwargs.get("dtype"))
         if is_dflash_config(raw):
-            return load_dflash(folder, raw, dtype=kwargs.get("dtype"))
+            return load_dflash(cls, folder, raw, dtype=kwargs.get("dtype"))
         raise ValueError(
             f"{name_or_path}: unknown checkpoint layout (model_type={raw.get('model_type')!r}, "
             f"architectures={raw.get('architectures')}); expected a DSpark draft (model_type 'dspark'), "

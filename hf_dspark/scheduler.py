@@ -1,4 +1,4 @@
-"""Hardware-aware verify lengths (DSPARK.md §5): the SPS profile and Algorithm 1.
+"""Hardware-aware verify lengths (docs/method.md, "Prefix scheduler"): the SPS profile and Algorithm 1.
 
 ``SPSProfile`` maps B, the number of tokens the target processes in one verification step, to steps per second.
 ``plan_verify_lengths`` admits draft tokens in order of prefix survival a_{r,j} = Π_{i≤j} c_{r,i} while the
@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from .configuration_dspark import VERIFY_LAYOUTS
 
 CACHE_DIR = Path(os.environ.get("HF_DSPARK_CACHE", "~/.cache/hf_dspark")).expanduser() / "sps"
 # A cached profile records how long a one-token step on a short cache took when it was measured (the probe). If the
@@ -409,3 +411,40 @@ def fill_top_k(confidences: torch.Tensor, capacity: int) -> list[int]:
     for _, r, j in _sorted_candidates(confidences)[:capacity]:
         lengths[r] = max(lengths[r], j)
     return lengths
+
+
+def choose_lengths(mode, confidences, caps, history, sps, threshold, layout: str = "padded") -> list[int]:
+    """Draft tokens each row verifies. ``caps`` [R] bound them (length limit; 0 for finished rows); confidences
+    beyond a cap count as 0, so the planners never admit them. ``history`` holds past rounds' confidences
+    (the asynchronous variant sizes its capacity from the one two rounds back). ``layout``: ``padded`` plans
+    whole columns of the [R, 1 + ℓ] verify block this loop runs (every row then verifies up to its cap),
+    ``packed`` plans tokens as the paper's Algorithm 1 does for ragged kernels (B = Σ_r (1 + ℓ_r))."""
+    if layout not in VERIFY_LAYOUTS:
+        raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {layout!r}")
+    if mode == "fixed" or confidences is None or confidences.shape[1] == 0:
+        return list(caps)
+    planner = column_plan(mode, layout, caps, sps, threshold)
+    if planner is not None:
+        for k in range(confidences.shape[1]):
+            if not planner.admit(confidences[:, k]):
+                break
+        return planner.lengths
+    allowed = torch.arange(confidences.shape[1], device=confidences.device)[None] < torch.tensor(caps)[:, None]
+    conf = torch.where(allowed, confidences, 0).cpu()
+    old = history[-2] if mode == "async" and len(history) >= 2 and history[-2].shape == conf.shape else None
+    if layout == "padded":  # async (column_plan covers scheduled); its first rounds have no old confidences
+        width = plan_capacity_width(old, sps) if old is not None else plan_verify_width(conf, sps)
+        return [min(width, cap) for cap in caps]
+    return plan_verify_lengths(conf, sps) if old is None else fill_top_k(conf, plan_capacity(old, sps))
+
+
+def column_plan(mode: str, layout: str, caps: list[int], sps, threshold: float) -> ColumnPlan | None:
+    """A :class:`ColumnPlan` for the modes whose plan closes at the first column no row verifies, so drafting can
+    stop there: ``threshold``, and ``scheduled`` on the padded layout (or one row, where a column is a token).
+    None for the others: ``fixed``, packed multi-row Algorithm 1 (a later column's token could sort before an
+    earlier row's) and ``async`` (it sizes from full past blocks)."""
+    if mode == "threshold":
+        return ColumnPlan(caps, threshold=threshold)
+    if mode == "scheduled" and (layout == "padded" or len(caps) == 1):
+        return ColumnPlan(caps, sps=sps)
+    return None

@@ -10,7 +10,9 @@ class DSparkStats:
     """What happened in each verification round of one or more ``generate`` calls.
 
     ``proposed[i]``: draft tokens verified in round i (ℓ); ``accepted[i]``: how many survived (n ≤ ℓ);
-    ``committed[i]``: tokens committed that round (n + 1 unless generation stopped inside the block).
+    ``committed[i]``: tokens committed that round (n + 1 unless generation stopped inside the block);
+    ``confidences[i]``: the draft's confidences for those ℓ tokens (``None`` for a lookup continuation or a draft
+    without a confidence head). Every per-entry list lines up with ``proposed``.
     In a batch, every active row's verification in a round is one entry; ``verify_rounds`` keeps the verify
     lengths the scheduler chose per round (one list per round, one entry per active row) and ``round_rows`` the
     batch indices of those rows (rows leave the batch when they finish). ``looked_up[i]`` says whether entry i
@@ -18,11 +20,11 @@ class DSparkStats:
     per-position acceptance count both kinds.
     """
 
-    block_size: int
+    num_draft_tokens: int  # the most draft tokens one entry can verify (the draft's block size - 1)
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
-    confidences: list[list[float]] = field(default_factory=list)
+    confidences: list[list[float] | None] = field(default_factory=list)
     verify_rounds: list[list[int]] = field(default_factory=list)  # per round: ℓ chosen for each active row
     round_rows: list[list[int]] = field(default_factory=list)  # per round: the batch index of each active row
     looked_up: list[bool] = field(default_factory=list)  # per entry: verified a lookup continuation, not a draft
@@ -33,8 +35,7 @@ class DSparkStats:
         self.accepted.append(accepted)
         self.committed.append(committed)
         self.looked_up.append(looked_up)
-        if confidences is not None:
-            self.confidences.append(confidences)
+        self.confidences.append(confidences)
 
     @property
     def rounds(self) -> int:
@@ -46,12 +47,13 @@ class DSparkStats:
         return sum(self.committed) / self.rounds if self.rounds else 0.0
 
     def position_acceptance(self) -> list[float | None]:
-        """Conditional acceptance per position k = 1..γ: P(k accepted | 1..k-1 accepted and k was verified).
+        """Conditional acceptance per position k = 1..num_draft_tokens: P(k accepted | 1..k-1 accepted and k was
+        verified).
 
         ``None`` where no round reached position k.
         """
         out = []
-        for k in range(1, self.block_size + 1):
+        for k in range(1, self.num_draft_tokens + 1):
             reached = sum(1 for p, a in zip(self.proposed, self.accepted, strict=True) if p >= k and a >= k - 1)
             passed = sum(1 for p, a in zip(self.proposed, self.accepted, strict=True) if p >= k and a >= k)
             out.append(passed / reached if reached else None)

@@ -1,4 +1,4 @@
-"""Exact verification of a drafted block (DSPARK.md §1).
+"""Exact verification of a drafted block (docs/method.md, "Verification").
 
 Greedy: accept while the draft token equals the target's argmax. Sampling: accept x_k with probability
 min(1, p_k(x_k) / q_k(x_k)); at the first rejection resample from norm(max(0, p_k - q_k)); if every token survives,
@@ -9,6 +9,17 @@ so the committed tokens follow the target's processed distribution exactly.
 from __future__ import annotations
 
 import torch
+from transformers.generation import LogitsProcessorList
+
+
+def probs(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension, in float32 for half-precision scores (float64 stays float64)."""
+    return torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1)
+
+
+def process(logits_processor: LogitsProcessorList, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Apply the target's logits processors to one position of one row: ids [1, T] (its history), scores [1, V]."""
+    return logits_processor(ids, scores) if logits_processor else scores
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -45,3 +56,18 @@ def rejection_sample(
     else:
         dist = target_probs[n]
     return n, torch.multinomial(dist, 1, generator=generator)[0]
+
+
+def verify_row(draft_tokens, draft_probs, raw_logits, history, logits_processor, do_sample):
+    """Exact acceptance for one row: draft_tokens [ℓ], draft_probs [ℓ, V] | None, raw target logits [ℓ+1, V],
+    history [T] (the row's committed tokens) -> (n accepted, next token, processed target scores [ℓ+1, V])."""
+    candidate = torch.cat([history, draft_tokens])
+    base = history.shape[0]
+    scores = torch.cat(
+        [process(logits_processor, candidate[None, : base + i], raw_logits[i : i + 1]) for i in range(len(raw_logits))]
+    )
+    if do_sample:
+        n, nxt = rejection_sample(draft_tokens, draft_probs, probs(scores))
+    else:
+        n, nxt = greedy_accept(draft_tokens, scores)
+    return n, nxt, scores

@@ -21,7 +21,7 @@ DRAFTS=("markov=$DRAFT" "none=$NONE")
 OUT=benchmarks/results/smollm2
 SETS=(humaneval gsm8k mt-bench)
 
-PYTHONPATH=. $PY benchmarks/scheduler_throughput.py --dtype "$DTYPE" --rows 1 4 8 16 --max-new-tokens 64 --readme README.md
+PYTHONPATH=. $PY benchmarks/scheduler_throughput.py --dtype "$DTYPE" --rows 1 4 8 16 --max-new-tokens 64 --readme docs/results.md
 $PY -m hf_dspark.cli eval --dtype "$DTYPE" --draft "${DRAFTS[@]}" --datasets "${SETS[@]}" \
     --limit "$LIMIT" --temperatures 0 --verify-mode fixed --out "$OUT"
 $PY -m hf_dspark.cli bench --dtype "$DTYPE" --draft "${DRAFTS[@]}" --datasets "${SETS[@]}" \

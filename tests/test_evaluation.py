@@ -11,7 +11,7 @@ from hf_dspark.evaluation.evaluate import load_prompts, summarize
 
 
 def trace(proposed, accepted, committed, gamma=4):
-    s = DSparkStats(block_size=gamma)
+    s = DSparkStats(num_draft_tokens=gamma)
     for p, a, c in zip(proposed, accepted, committed, strict=True):
         s.record(p, a, c)
     return s
@@ -175,7 +175,7 @@ def test_tie_check_asks_a_float32_copy_too():
     assert not shorter.tie and shorter.index == 3
 
 
-def test_readme_results_section_is_written_from_json(tmp_path):
+def test_results_page_and_readme_summary_are_written_from_json(tmp_path):
     from hf_dspark.cli import main
 
     ctx = {"machine": "x86_64 2 cores (Linux)", "threads": 2, "device": "cpu", "dtype": "float32", "date": "2026-11-29"}
@@ -188,11 +188,17 @@ def test_readme_results_section_is_written_from_json(tmp_path):
     be = [{"dataset": "gsm8k", "prompts": 30, "max_new_tokens": 128, **ctx, "methods": methods}]
     (tmp_path / "eval.json").write_text(json.dumps(ev))
     (tmp_path / "bench.json").write_text(json.dumps(be))
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n\n## Results\n\n<!-- results:start -->\nold\n<!-- results:end -->\n\n## After\n")
+    page, readme = tmp_path / "results.md", tmp_path / "README.md"
+    page.write_text("# x\n\n## Results\n\n<!-- results:start -->\nold\n<!-- results:end -->\n\n## After\n")
+    readme.write_text("# y\n\n## Results\n\n<!-- summary:start -->\nold\n<!-- summary:end -->\n\nFull tables.\n")
     args = ["results", "--eval", str(tmp_path / "eval.json"), "--bench", str(tmp_path / "bench.json")]
-    main([*args, "--readme", str(readme)])
-    text = readme.read_text()
+    main([*args, "--out", str(page), "--readme", str(readme)])
+    summary = readme.read_text()
+    assert "old" not in summary and summary.endswith("<!-- summary:end -->\n\nFull tables.\n")
+    assert "| dataset | plain tok/s | markov-scheduled |" in summary
+    assert "| gsm8k | 15.0 | 1.60× (2.50) |" in summary
+    assert "Measured 2026-11-29 on x86_64 2 cores (Linux), 2 threads, float32, greedy, 30 prompts" in summary
+    text = page.read_text()
     assert "old" not in text and text.endswith("<!-- results:end -->\n\n## After\n")
     assert "Measured 2026-11-29 on x86_64 2 cores (Linux), 2 threads, cpu, float32" in text
     assert "| dspark | gsm8k | 0.0 | 30 | 2.50 | 0.40 | 20.0 | 0.60 0.50 |" in text
@@ -219,9 +225,9 @@ def test_results_merge_bench_runs_keeping_each_runs_baseline(tmp_path):
     evals = {"e1.json": ev("markov", "2026-11-29"), "e2.json": ev("rnn", "2026-11-30")}
     for name, data in {"b1.json": run1, "b2.json": run2, **evals}.items():
         (tmp_path / name).write_text(json.dumps(data))
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "results.md"
     readme.write_text("# x\n")
-    main(["results", "--readme", str(readme), "--plots", str(tmp_path / "plots"),
+    main(["results", "--out", str(readme), "--readme", "none", "--plots", str(tmp_path / "plots"),
           "--eval", str(tmp_path / "e1.json"), str(tmp_path / "e2.json"),
           "--bench", str(tmp_path / "b1.json"), str(tmp_path / "b2.json")])  # fmt: skip
     text = readme.read_text()

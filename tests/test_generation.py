@@ -1,5 +1,6 @@
 """DSpark greedy decoding through generate(assistant_model=draft) equals plain greedy decoding, token for token."""
 
+import copy
 import itertools
 
 import pytest
@@ -9,7 +10,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStr
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dspark
-from hf_dspark import DSparkDraftModel, generation
+from hf_dspark import DSparkDraftModel, costs, drafting, generation
 
 
 def _prompt(seed=0, length=9, vocab=96):
@@ -258,7 +259,7 @@ def test_draft_context_is_extended_only_with_new_positions(monkeypatch):
     ids = _prompt(12)
     draft = DSparkDraftModel.from_target(target, block_size=4)
     draft.config.verify_mode = "fixed"  # every round drafts (no back-off), so every round projects
-    generation.draft_seconds(draft, 1)  # the scheduler's one-off timing of a draft block, on a made-up context
+    costs.draft_seconds(draft, 1)  # the scheduler's one-off timing of a draft block, on a made-up context
     projected = []
     original = draft.fused_key_values
 
@@ -285,7 +286,7 @@ def test_rounds_that_do_not_draft_queue_their_context_for_the_next_drafted_block
     ids = _prompt(12)
     draft = DSparkDraftModel.from_target(target, block_size=4).double()
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0)  # verifying is free: every drafted round verifies all
-    monkeypatch.setattr(generation, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
+    monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
     monkeypatch.setattr(generation, "drafting_pays", lambda *args: False)  # back off after every drafted round
     projected = []
     original = draft.fused_key_values
@@ -304,7 +305,7 @@ def test_rounds_that_do_not_draft_queue_their_context_for_the_next_drafted_block
 def test_head_switched_off_proposes_from_the_backbone_alone():
     from transformers.generation import LogitsProcessorList
 
-    from hf_dspark.generation import DraftContext, draft_block
+    from hf_dspark.drafting import DraftContext, draft_block
 
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
@@ -348,7 +349,7 @@ def test_scheduler_backs_off_drafting_when_it_does_not_pay(case, monkeypatch):
     from hf_dspark.scheduler import SPSProfile
 
     steep, cost = {"free": (False, 0.0), "steep": (True, 0.0), "costly-draft": (False, 10.0)}[case]
-    monkeypatch.setattr(generation, "draft_seconds", lambda draft, rows, do_sample=False: cost)
+    monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: cost)
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.config.verify_mode = "scheduled"
@@ -386,12 +387,11 @@ def test_greedy_drafting_inside_the_draft_vocabulary_equals_the_full_path(head, 
     it must propose exactly what the -inf-padded full-vocabulary path proposes, with the same confidences."""
     from transformers.generation import LogitsProcessor, LogitsProcessorList
 
-    from hf_dspark import generation
-    from hf_dspark.generation import DraftContext, draft_block
+    from hf_dspark.drafting import DraftContext, draft_block
 
     calls = []
-    real = generation._subset_slot
-    monkeypatch.setattr(generation, "_subset_slot", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = drafting._subset_slot
+    monkeypatch.setattr(drafting, "_subset_slot", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     class Identity(LogitsProcessor):  # any processor sends drafting down the full-vocabulary path
         def __call__(self, input_ids, scores):
@@ -422,43 +422,48 @@ def test_greedy_drafting_inside_the_draft_vocabulary_equals_the_full_path(head, 
 @pytest.mark.parametrize(("mode", "rows"), [("scheduled", 1), ("scheduled", 3), ("threshold", 3)])
 def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
     """The planners admit columns left to right and stop at the first that fails, so the draft stops there too:
-    same verify lengths and output as drafting every slot, fewer head steps."""
-    from hf_dspark import generation
+    each block ends one slot past the longest verified prefix (the column that failed), its tokens and confidences
+    are those of the whole block, the plan is the one the whole block's confidences give, and the output is plain
+    greedy's."""
     from hf_dspark.scheduler import SPSProfile
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8).double()
     draft.config.verify_mode, draft.config.confidence_threshold = mode, 0.5
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.05 * B))
-    monkeypatch.setattr(generation, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
+    monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
     with torch.no_grad():  # confidences spread over (0, 1), so plans end at different slots
         draft.confidence.confidence_head.weight.normal_(0, 0.3)
-    widths = []
+    blocks = []
     real = generation.draft_block
 
-    def spy(*args, **kwargs):
-        proposal = real(*args, **kwargs)
-        widths.append((args[4], proposal.tokens.shape[1]))
+    def spy(*args):
+        planner = args[7]
+        whole_plan = copy.deepcopy(planner)  # the same plan, fed every slot of the block
+        proposal = real(*args)
+        whole = real(*args[:7])  # the context was flushed by the first call: the same block again, every slot
+        for k in range(whole.tokens.shape[1]):
+            if not whole_plan.admit(whole.confidences[:, k]):
+                break
+        blocks.append((args[4], proposal, whole, whole_plan.lengths))
         return proposal
 
     monkeypatch.setattr(generation, "draft_block", spy)
-    prompts = [[5, 6, 7, 8], [9, 3, 4, 40], [70, 2, 11, 12]][:rows]
-    ids = torch.tensor(prompts)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 3, 4, 40], [70, 2, 11, 12]][:rows])
     kw = dict(max_new_tokens=24, do_sample=False)
-    runs = {}
-    for early in (True, False):
-        monkeypatch.setattr(generation, "STOP_DRAFTING_EARLY", early)
-        widths.clear()
-        out = target.generate(ids, assistant_model=draft, **kw)
-        runs[early] = (out.tolist(), draft.stats.verify_rounds, list(widths))
-    assert runs[True][:2] == runs[False][:2]
-    assert runs[True][0] == target.generate(ids, **kw).tolist()
-    assert all(w == m for m, w in runs[False][2])
-    lazy = runs[True][2]
-    assert any(w < m for m, w in lazy) and all(w <= m for m, w in lazy)
-    # where it stopped early, it drafted exactly one slot past the longest verified prefix: the column that failed
-    for (m, w), verified in zip(lazy, runs[True][1], strict=True):
-        assert w == m or w == max(verified) + 1
+    out = target.generate(ids, assistant_model=draft, **kw)
+    assert out.tolist() == target.generate(ids, **kw).tolist()
+    rounds = draft.stats.verify_rounds
+    assert len(blocks) == len(rounds)
+    stopped = 0
+    for (asked, proposal, whole, whole_lengths), verified in zip(blocks, rounds, strict=True):
+        width = proposal.tokens.shape[1]
+        assert torch.equal(proposal.tokens, whole.tokens[:, :width])
+        assert torch.equal(proposal.confidences, whole.confidences[:, :width])
+        assert verified == whole_lengths  # finished rows leave the batch between rounds: every row is active
+        assert width == asked or width == max(verified) + 1
+        stopped += width < asked
+    assert stopped > 0  # the early stop did happen
 
 
 def test_prefill_computes_logits_for_the_last_prompt_position_only():

@@ -157,7 +157,7 @@ def test_greedy_generation_through_kernels_equals_torch_path(head, vocab, monkey
     monkeypatch.setenv("HF_DSPARK_KERNELS", "triton")
     calls = []
     original = hf_dspark.kernels.fused_head_step
-    monkeypatch.setattr("hf_dspark.generation.fused_head_step", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr("hf_dspark.drafting.fused_head_step", lambda *a, **k: calls.append(1) or original(*a, **k))
     kernel_out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=draft)
     assert calls, "the kernel path was not taken"
     assert (

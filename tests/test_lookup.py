@@ -7,7 +7,7 @@ from conftest import tiny_target
 from test_batched import PAD, PROMPTS, left_pad
 from test_sampling import CASES, _processors, chi_square_pvalue, exact_distribution, sample_counts
 
-from hf_dspark import DSparkConfig, DSparkDraftModel
+from hf_dspark import DSparkConfig, DSparkDraftModel, verify
 from hf_dspark.lookup import lookup_continuation, one_hot_probs
 from hf_dspark.scheduler import SPSProfile
 
@@ -100,8 +100,10 @@ def test_greedy_with_lookup_equals_plain_greedy(mode, min_ngram):
         # both kinds of round happened, and lookups were not only proposed but accepted
         assert any(stats.looked_up) and not all(stats.looked_up)
         assert sum(a for a, lk in zip(stats.accepted, stats.looked_up, strict=True) if lk) > 0
-        # a looked-up round records no confidences: they stay one list per drafted verification
-        assert len(stats.confidences) == stats.looked_up.count(False)
+        # the confidences line up with the entries: None for a looked-up one, one per verified token otherwise
+        assert len(stats.confidences) == stats.rounds
+        for conf, looked, ell in zip(stats.confidences, stats.looked_up, stats.proposed, strict=True):
+            assert conf is None if looked else len(conf) == ell
 
 
 def test_a_round_where_every_row_looks_up_does_not_draft(monkeypatch):
@@ -183,7 +185,7 @@ def test_sampling_test_sees_a_lookup_accepted_without_the_ratio_test(small_vocab
 
     # a looked-up row then reaches the acceptance rule with q = None, and the broken rule accepts it untested
     monkeypatch.setattr(generation, "one_hot_probs", lambda tokens, vocab: None)
-    original = generation.rejection_sample
+    original = verify.rejection_sample
 
     def lenient(draft_tokens, draft_probs, target_probs, generator=None):
         if draft_probs is None and draft_tokens.shape[0]:
@@ -191,7 +193,7 @@ def test_sampling_test_sees_a_lookup_accepted_without_the_ratio_test(small_vocab
             return n, torch.multinomial(target_probs[n], 1)[0]
         return original(draft_tokens, draft_probs, target_probs, generator)
 
-    monkeypatch.setattr(generation, "rejection_sample", lenient)
+    monkeypatch.setattr(verify, "rejection_sample", lenient)
     target, kw = small_vocab_target, CASES["top-k-top-p"]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
     draft.config.verify_mode = "fixed"

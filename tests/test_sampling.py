@@ -152,7 +152,7 @@ def test_broken_acceptance_rule_is_detected(target, monkeypatch):
         n = draft_tokens.shape[0]
         return n, torch.multinomial(target_probs[n], 1)[0]
 
-    monkeypatch.setattr(hf_dspark.generation, "rejection_sample", accept_all)
+    monkeypatch.setattr(hf_dspark.verify, "rejection_sample", accept_all)
     kw = CASES["temperature"]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
     draft.config.verify_mode = "fixed"

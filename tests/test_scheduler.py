@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import tiny_target
 
-from hf_dspark import DSparkConfig
+import hf_dspark
+from hf_dspark import DSparkConfig, costs
 from hf_dspark.generation import choose_lengths
 from hf_dspark.scheduler import (
     ColumnPlan,
@@ -303,7 +304,7 @@ def test_probe_is_timed_once_per_target_unless_fresh(monkeypatch):
 def test_measure_on_batch_shapes(tmp_path, monkeypatch):
     """rows > 1 times [rows, B / rows] blocks, cached under its own key; generate measures the profile for its own
     batch size on the widths it verifies (1 + ℓ, ℓ = 0..γ), once per batch size, unless the user set one."""
-    from hf_dspark import DSparkDraftModel, generation, scheduler
+    from hf_dspark import DSparkDraftModel, scheduler
 
     target = tiny_target("llama")
     shapes, masks = [], []
@@ -338,10 +339,10 @@ def test_measure_on_batch_shapes(tmp_path, monkeypatch):
                         classmethod(lambda cls, t, grid, rows: calls.append((rows, grid)) or cls.from_callable(lambda B: 1.0)))  # noqa: E501  # fmt: skip
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     for rows in (4, 4, 1):
-        generation.sps_profile(draft, target, rows)
+        costs.sps_profile(draft, target, rows)
     assert calls == [(4, [4, 8, 12, 16, 20]), (1, [1, 2, 3, 4, 5])]
     draft.sps_profile = user = SPSProfile.from_table({1: 2.0})
-    assert generation.sps_profile(draft, target, 4) is user and len(calls) == 2
+    assert costs.sps_profile(draft, target, 4) is user and len(calls) == 2
 
 
 def test_exhaustive_lengths_are_prefixes():
@@ -352,7 +353,7 @@ def test_exhaustive_lengths_are_prefixes():
 
 
 def test_measure_sps_ahead_of_generate(monkeypatch):
-    """draft.measure_sps(R) leaves generate nothing to measure for a batch of R; bad sizes are refused."""
+    """hf_dspark.measure_sps(draft, R) leaves generate nothing to measure for a batch of R; bad sizes are refused."""
     from hf_dspark import DSparkDraftModel, scheduler
 
     target = tiny_target("llama")
@@ -360,19 +361,19 @@ def test_measure_sps_ahead_of_generate(monkeypatch):
     fake = classmethod(lambda cls, t, grid, rows: calls.append(rows) or cls.from_callable(lambda B: 1.0 / B))
     monkeypatch.setattr(scheduler.SPSProfile, "measure", fake)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    assert draft.measure_sps(1, 2) is draft and calls == [1, 2]
+    assert hf_dspark.measure_sps(draft, 1, 2) is draft and calls == [1, 2]
     draft.config.verify_mode = "scheduled"
     target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), assistant_model=draft, max_new_tokens=6, do_sample=False)
     assert calls == [1, 2]
     # an entry left by another target that lived at the same address is not reused
-    key = next(k for k in draft.measured_sps if k[-1] == 1)
+    key = next(k for k in costs.measured_sps(draft) if k[-1] == 1)
     other = tiny_target("llama")
-    draft.measured_sps[key] = (weakref.ref(other), draft.measured_sps[key][1])
-    assert draft.measure_sps(1) is draft and calls == [1, 2, 1]
+    costs.measured_sps(draft)[key] = (weakref.ref(other), costs.measured_sps(draft)[key][1])
+    assert hf_dspark.measure_sps(draft, 1) is draft and calls == [1, 2, 1]
     with pytest.raises(ValueError, match="batch sizes must be positive integers, got 0"):
-        draft.measure_sps(0)
+        hf_dspark.measure_sps(draft, 0)
     with pytest.raises(RuntimeError, match="not attached"):
-        DSparkDraftModel(draft.config).measure_sps(1)
+        hf_dspark.measure_sps(DSparkDraftModel(draft.config), 1)
 
 
 def test_plus_seconds_prices_a_round_with_its_draft():
@@ -410,20 +411,20 @@ def test_drafting_pays_by_hand():
 
 
 def test_draft_seconds_is_measured_once_per_batch_size():
-    from hf_dspark import DSparkDraftModel, generation
+    from hf_dspark import DSparkDraftModel
 
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     blocks = []
     real = draft.forward
     draft.forward = lambda *a, **k: blocks.append(a[0].shape) or real(*a, **k)
-    first = generation.draft_seconds(draft, 2, reps=2)
+    first = costs.draft_seconds(draft, 2, reps=2)
     assert first > 0 and len(blocks) == 3 and all(s[:2] == (2, 4) for s in blocks)  # warm-up + 2, [R, γ] blocks
-    assert generation.draft_seconds(draft, 2) == first and len(blocks) == 3
-    generation.draft_seconds(draft, 1, reps=1)
+    assert costs.draft_seconds(draft, 2) == first and len(blocks) == 3
+    costs.draft_seconds(draft, 1, reps=1)
     state = torch.random.get_rng_state()
-    generation.draft_seconds(draft, 1, do_sample=True, reps=1)
-    assert len(blocks) == 7 and len(draft.measured_draft_seconds) == 3
+    costs.draft_seconds(draft, 1, do_sample=True, reps=1)
+    assert len(blocks) == 7 and len(costs.measured_draft_seconds(draft)) == 3
     # sampled blocks leave the global generator as they found it: a seeded generate reproduces whether or not
     # its first call measured the draft
     assert torch.equal(torch.random.get_rng_state(), state)
@@ -433,7 +434,7 @@ def test_draft_seconds_is_measured_once_per_batch_size():
     ids = torch.tensor([[5, 6, 7, 8]])
     outs = []
     for _ in range(2):
-        draft.measured_draft_seconds.clear()
+        costs.measured_draft_seconds(draft).clear()
         torch.manual_seed(0)
         first = target.generate(ids, assistant_model=draft, do_sample=True, max_new_tokens=12)  # measures
         torch.manual_seed(0)

@@ -367,7 +367,7 @@ def test_training_forward_matches_the_decoding_forward(setup, head, draft_vocab)
     (over the draft vocabulary, when decoding uses one and training is given the same ids)."""
     from transformers import LogitsProcessorList
 
-    from hf_dspark.generation import DraftContext, draft_block, target_features
+    from hf_dspark.drafting import DraftContext, draft_block, target_features
 
     target, rows = setup
     torch.manual_seed(4)

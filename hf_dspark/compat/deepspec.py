@@ -90,10 +90,9 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(single)
 
 
-def load_mapped(folder: Path, config: DSparkConfig, theirs: dict, renames, layout: str, dtype=None):
-    """Rename ``theirs`` into our keys (dropping target copies), check them strictly, build the draft."""
-    from ..modeling_dspark import DSparkDraftModel
-
+def load_mapped(model_class, folder: Path, config: DSparkConfig, theirs: dict, renames, layout: str, dtype=None):
+    """Rename ``theirs`` into our keys (dropping target copies), check them strictly, build a ``model_class``
+    (the draft class, handed in by the caller) from them."""
     mapped = {}
     for key, value in theirs.items():
         if key in ("embed_tokens.weight", "lm_head.weight"):
@@ -102,7 +101,7 @@ def load_mapped(folder: Path, config: DSparkConfig, theirs: dict, renames, layou
             if key.startswith(old):
                 key = new + key[len(old) :]
         mapped[key] = value
-    model = DSparkDraftModel(config)
+    model = model_class(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(mapped))
     unexpected = sorted(set(mapped) - set(expected))
@@ -118,10 +117,12 @@ def load_mapped(folder: Path, config: DSparkConfig, theirs: dict, renames, layou
     return model.to(dtype) if dtype is not None else model
 
 
-def load_deepspec(folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
-    """Build our draft from a DeepSpec DSpark checkpoint folder (strict: every tensor must map, shapes must match)."""
+def load_deepspec(model_class, folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
+    """Build a ``model_class`` draft from a DeepSpec DSpark checkpoint folder (strict: every tensor must map, shapes
+    must match)."""
     folder = Path(folder)
-    return load_mapped(folder, config_from_deepspec(raw), read_weights(folder), _RENAMES, "DeepSpec", dtype)
+    return load_mapped(model_class, folder, config_from_deepspec(raw), read_weights(folder), _RENAMES, "DeepSpec",
+                       dtype)  # fmt: skip
 
 
 def export_deepspec(draft, folder: str | Path, num_anchors: int = 512) -> Path:

@@ -49,7 +49,8 @@ def config_from_dflash(raw: dict) -> DSparkConfig:
     )
 
 
-def load_dflash(folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
-    """Build our draft from a z-lab DFlash checkpoint folder (strict mapping: names are already ours)."""
+def load_dflash(model_class, folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
+    """Build a ``model_class`` draft from a z-lab DFlash checkpoint folder (strict mapping: names are already ours)."""
     folder = Path(folder)
-    return load_mapped(folder, config_from_dflash(raw), read_weights(folder), renames=(), layout="DFlash", dtype=dtype)
+    config = config_from_dflash(raw)
+    return load_mapped(model_class, folder, config, read_weights(folder), renames=(), layout="DFlash", dtype=dtype)

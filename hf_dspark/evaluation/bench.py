@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..costs import measure_sps
 from .evaluate import load_prompts, run_context
 from .ties import parts_at_a_tie, upcast_copy
 
@@ -80,7 +81,7 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
     exact = None  # a float32 copy of a low-precision target, for the tie check
     for m in methods:  # the scheduler's SPS profile and draft cost, measured (or loaded) before any timing
         if m.draft is not None and m.draft.confidence is not None:
-            m.draft.measure_sps(1)
+            measure_sps(m.draft, 1)
     for i, text in enumerate(tqdm(prompts, desc=f"bench {dataset}", disable=not progress)):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
@@ -133,7 +134,7 @@ def warm_up(target, draft, input_ids: torch.Tensor) -> tuple[str, float, float]:
     from ..scheduler import CACHE_DIR
 
     start, t0 = time.time(), time.perf_counter()
-    draft.measure_sps(1)
+    measure_sps(draft, 1)
     t1 = time.perf_counter()
     target.generate(input_ids, max_new_tokens=8, do_sample=False)
     target.generate(input_ids, assistant_model=draft, max_new_tokens=8, do_sample=False)

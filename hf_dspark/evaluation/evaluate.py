@@ -62,8 +62,7 @@ def run_context(target) -> dict:
 
 def summarize(stats: list[DSparkStats], seconds: float = 0.0, new_tokens: int = 0) -> dict:
     """Aggregate per-prompt stats: τ over all rounds, per-position conditional acceptance, verify rate."""
-    gamma = stats[0].block_size if stats else 0
-    merged = DSparkStats(block_size=gamma)
+    merged = DSparkStats(num_draft_tokens=stats[0].num_draft_tokens if stats else 0)
     for s in stats:
         merged.proposed += s.proposed
         merged.accepted += s.accepted

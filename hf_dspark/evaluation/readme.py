@@ -1,4 +1,5 @@
-"""Write the README's "Results" section from eval/bench JSON (numbers are never typed by hand)."""
+"""Write the results page (docs/results.md) and the README's results summary from eval/bench JSON (numbers are
+never typed by hand)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,34 @@ def results_section(eval_results: list[dict], bench_results: list[dict]) -> str:
     if bench_results:
         lines += ["**Wall-clock** (interleaved, same process)", "", bench.markdown_table(bench_results)]
     return "\n".join(lines)
+
+
+def summary_section(bench_results: list[dict]) -> str:
+    """Markdown for the README: per dataset, every method of the first bench run as its speedup over plain
+    ``generate`` (τ in brackets), with plain's tokens/s; the full tables live on the results page."""
+    if not bench_results:
+        return "No measured results yet.\n"
+    first = bench_results[0]
+    names = [m["method"] for m in first["methods"] if m.get("run", 1) == 1 and m["method"] != "plain"]
+    lines = [
+        f"Measured {first['date']} on {first['machine']}, {first['threads']} threads, {first['dtype']}, greedy, "
+        f"{_prompt_counts(bench_results)}, {first.get('max_new_tokens', '?')} new tokens; speedup over plain "
+        "`generate` (τ in brackets):",
+        "",
+        "| dataset | plain tok/s | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 2) + "|",
+    ]
+    for entry in bench_results:
+        by = {m["method"]: m for m in entry["methods"] if m.get("run", 1) == 1}
+        cells = []
+        for name in names:
+            m = by.get(name)
+            tau = f" ({m['tau']:.2f})" if m and m.get("tau") is not None else ""
+            cells.append(f"{m['speedup']:.2f}×{tau}" if m else "-")
+        plain = by.get("plain")
+        plain_cell = f"{plain['median_tok_per_s']:.1f}" if plain else "-"
+        lines.append(f"| {entry['dataset']} | {plain_cell} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _methods(bench_results: list[dict]) -> list[dict]:
@@ -99,18 +128,22 @@ def merge_bench(runs: list[list[dict]]) -> list[dict]:
 
 
 def write_results(
-    readme: str | Path,
+    page: str | Path,
     eval_json: str | Path | list[str | Path] | None,
     bench_json: str | Path | list[str | Path] | None,
     plots: str | Path | None = None,
+    readme: str | Path | None = None,
 ) -> None:
-    """Replace the text between the results markers of ``readme`` (added at the end if absent). Each argument may
-    name several JSON files (runs): eval entries are concatenated, bench runs merged with ``merge_bench``.
-    With ``plots``, the acceptance, τ and speedup PNGs of the merged results are (re)written into that folder."""
+    """Replace the text between the ``results`` markers of ``page`` (added at the end if absent) and, with
+    ``readme``, its ``summary`` block. Each JSON argument may name several files (runs): eval entries are
+    concatenated, bench runs merged with ``merge_bench``. With ``plots``, the acceptance, τ and speedup PNGs of the
+    merged results are (re)written into that folder."""
     as_list = lambda p: [] if p is None else [p] if isinstance(p, str | Path) else list(p)  # noqa: E731
     eval_results = [r for path in as_list(eval_json) for r in json.loads(Path(path).read_text())]
     bench_results = merge_bench([json.loads(Path(path).read_text()) for path in as_list(bench_json)])
-    replace_block(readme, "results", results_section(eval_results, bench_results))
+    replace_block(page, "results", results_section(eval_results, bench_results))
+    if readme is not None and bench_results:
+        replace_block(readme, "summary", summary_section(bench_results))
     if plots is not None:
         Path(plots).mkdir(parents=True, exist_ok=True)
         if eval_results:

@@ -87,7 +87,7 @@ def collect_decode_confidence(
             )  # fmt: skip
             stats = draft.stats
             for ell, n, conf in zip(stats.proposed, stats.accepted, stats.confidences, strict=True):
-                if ell == gamma:
+                if ell == gamma and conf is not None:
                     c = torch.tensor(conf, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
                     logits.append(c.log() - (-c).log1p())
                     accepted.append((torch.arange(gamma) < n).double())

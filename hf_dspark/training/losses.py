@@ -1,4 +1,4 @@
-"""Training forward and the three DSpark losses (DSPARK.md §6), packed over many anchors per sequence.
+"""Training forward and the three DSpark losses (docs/method.md, "Training"), packed over many anchors per sequence.
 
 For each anchor a, the block [x_a, mask, …] predicts x_{a+1..a+γ}; it sees the target's features at positions < a
 (block-sparse mask) and its own γ slots bidirectionally. The sequential head is teacher-forced with the true

@@ -1,0 +1,75 @@
+"""What DSpark decoding refuses, by name, before it starts: inputs it cannot honour and caches it cannot roll back.
+
+A decoding method that ignored an input would return a silent wrong answer; these checks turn each such case into
+an error that says what to change.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation import GenerationConfig
+
+# model kwargs generate prepares that the loop honours itself (positions: from the attention mask, as generate does)
+HONOURED_MODEL_KWARGS = {"attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep", "position_ids"}
+
+
+def check_supported(generation_config: GenerationConfig, input_ids: torch.Tensor, model_kwargs: dict, streamer):
+    R = input_ids.shape[0]
+    unsupported = sorted(k for k, v in model_kwargs.items() if k not in HONOURED_MODEL_KWARGS and v is not None)
+    if unsupported:
+        raise ValueError(
+            f"DSpark generation cannot honour {unsupported}: it drafts and verifies from input_ids, the attention "
+            "mask and the cache alone (multimodal inputs, token_type_ids and other model inputs are not supported)"
+        )
+    if model_kwargs.get("use_cache") is False:
+        raise ValueError("DSpark generation needs use_cache=True (a cache the verifier can crop).")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError("DSpark generation does not return attentions or hidden states.")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("DSpark generation needs input_ids (inputs_embeds is not supported).")
+    if R > 1 and streamer is not None:
+        raise ValueError("streamers need batch size 1 (rows of a DSpark batch advance by different amounts)")
+    if (
+        R > 1
+        and generation_config.return_dict_in_generate
+        and (generation_config.output_scores or generation_config.output_logits)
+    ):
+        raise ValueError("output_scores/output_logits with DSpark need batch size 1")
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """Refuse non-finite target logits by name instead of failing later in the scheduler or sampler."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(
+            "the target returned non-finite logits (NaN/inf), which plain generate would return too: e.g. Gemma 2's "
+            "eager attention in float64 overflows on the fully masked rows of left padding and spreads NaN to the "
+            "real tokens. Use float32 (or bfloat16), or prompts without padding."
+        )
+
+
+def sliding_window(cache) -> int | None:
+    """The smallest sliding window among the cache's layers (``None``: no sliding-window layer)."""
+    windows = [layer.sliding_window for layer in getattr(cache, "layers", []) if getattr(layer, "is_sliding", False)]
+    return min(windows) if windows else None
+
+
+def check_cache(cache, rows: int, max_length: int) -> None:
+    """Refuse, by name, the caches the verifier cannot roll back exactly."""
+    from transformers import DynamicCache
+
+    if cache is None:
+        raise ValueError("DSpark generation needs use_cache=True (a cache the verifier can crop).")
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"DSpark generation needs a DynamicCache, which it crops after each verify; got {type(cache).__name__} "
+            "(leave cache_implementation unset)"
+        )
+    window = sliding_window(cache)
+    if window is not None and not hasattr(cache, "activate_past_recording"):
+        raise ValueError("this transformers release cannot roll back a sliding-window cache (activate_past_recording)")
+    if window is not None and rows > 1 and max_length > window:
+        # rejected slots of one row are holes that count toward the window in a batch, unlike in plain generate
+        raise ValueError(
+            f"the target attends through a sliding window of {window} tokens: a batch of {rows} rows can decode "
+            f"DSpark only within it (max_length {max_length} > {window}); run the rows one at a time"
+        )
