@@ -5,7 +5,8 @@
 A 2-layer, 32-wide random Llama target and a 1-layer draft (γ = 4), greedy, fixed verification (every round
 drafts and verifies, no timing-dependent plan), 1 thread: the time per round is what the loop itself costs.
 Reported beside it: the same prompts through plain ``generate`` (time per token), and the loop's line count, so a
-refactor of the loop can show both before and after (run it on each commit).
+refactor of the loop can show both before and after (run it on each commit, e.g. from a ``git worktree`` of the
+older one with ``PYTHONPATH`` pointing at it, back to back with the newer).
 """
 
 from __future__ import annotations
@@ -23,10 +24,21 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_dspark import DSparkDraftModel, dspark_generate, generation
 
 
-def loop_lines() -> int:
-    """Lines of the decode loop's functions (the public entry point and the loop body it runs)."""
+def loop_lines() -> dict:
+    """Lines of the decode loop (the public entry point and, on commits that had one, the body it delegated to),
+    and of the longest function or method in ``hf_dspark/generation.py``."""
     names = [n for n in ("dspark_decode", "_decode") if hasattr(generation, n)]
-    return sum(len(inspect.getsource(getattr(generation, n)).splitlines()) for n in names)
+    loop = sum(len(inspect.getsource(getattr(generation, n)).splitlines()) for n in names)
+    candidates = list(vars(generation).values())
+    for cls in vars(generation).values():
+        if inspect.isclass(cls) and cls.__module__ == generation.__name__:
+            candidates += [getattr(f, "__func__", f) for f in vars(cls).values()]
+    candidates = [inspect.unwrap(f) if callable(f) else f for f in candidates]  # torch.no_grad wraps the loop
+    source_file = inspect.getsourcefile(generation)
+    functions = [f for f in candidates if inspect.isfunction(f) and f.__code__.co_filename == source_file]
+    longest = max(functions, key=lambda f: len(inspect.getsource(f).splitlines()))
+    return {"loop_lines": loop, "longest_function": longest.__qualname__,
+            "longest_function_lines": len(inspect.getsource(longest).splitlines())}  # fmt: skip
 
 
 def main() -> None:
@@ -57,7 +69,7 @@ def main() -> None:
     result = {
         "round_ms_median": 1e3 * statistics.median(per_round),
         "plain_token_ms_median": 1e3 * statistics.median(per_token),
-        "loop_lines": loop_lines(),
+        **loop_lines(),
         "calls": args.calls, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -178,8 +178,9 @@ def _torch_slot(draft, logits, h_k, prev, state, histories, logits_processor, do
     return torch.multinomial(p, 1)[:, 0], p, conf, state
 
 
-def _subset_slot(draft, logits, h_k, prev, state, histories, logits_processor, do_sample, conf_temperature, *,
-                 rows, vocab):  # fmt: skip
+def _subset_slot(
+    draft, logits, h_k, prev, state, histories, logits_processor, do_sample, conf_temperature, *, rows, vocab
+):
     """Greedy slot over a draft vocabulary: logits [R, Vd] and the head's bias from W2's ``rows`` [Vd, r];
     the argmax column maps back to a token id through ``vocab``. Same tokens as ``_torch_slot`` on the -inf-padded
     full logits (``vocab`` is sorted, so ties resolve to the same token)."""
@@ -247,9 +248,16 @@ def draft_block(
             hist = [torch.cat([h, so_far[r]]) for r, h in enumerate(histories)]
         slot = k + off  # DFlash convention: the anchor slot proposes nothing
         token, p, conf, state = step(
-            draft, logits[:, slot], out.hidden_states[:, slot], prev, state, hist, logits_processor, do_sample,
+            draft,
+            logits[:, slot],
+            out.hidden_states[:, slot],
+            prev,
+            state,
+            hist,
+            logits_processor,
+            do_sample,
             temps[k] if temps else None,
-        )  # fmt: skip
+        )
         tokens.append(token)
         if p is not None:
             dists.append(p)

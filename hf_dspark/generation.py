@@ -117,9 +117,14 @@ def target_forward(target, ids, positions, attention_mask, cache, tap: LayerTap,
     return out, tap.fused(out)
 
 
-@functools.cache
-def _takes_logits_to_keep(model_class: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+@dataclass(frozen=True)
+class Rules:
+    """How one call chooses tokens and when a row stops, as ``generate`` prepared them: the target's logits
+    processors, greedy or sampling, the stopping criteria."""
+
+    processors: LogitsProcessorList
+    do_sample: bool
+    stopping: StoppingCriteriaList
 
 
 @dataclass
@@ -158,18 +163,29 @@ class DecodeState:
     def histories(self) -> list[torch.Tensor]:
         return [self.history(r) for r in range(self.size)]
 
+    def draft_inputs(self) -> tuple[DraftContext, list[torch.Tensor], torch.Tensor]:
+        """What :func:`draft_block` drafts from: the draft's context, each row's history, the anchors' positions."""
+        return self.context, self.histories(), self.anchor_positions
+
+    def attention_mask(self, block_valid: torch.Tensor) -> torch.Tensor | None:
+        """The target's mask for a verify block: [R, S + W] over the cache and the block (``None``: no holes)."""
+        mask = torch.cat([self.cache_mask, block_valid.long()], dim=1)
+        return None if bool(mask.all()) else mask
+
     def commit(self, r: int, new: torch.Tensor, scores: torch.Tensor, stopping_criteria) -> int:
-        """Append ``new`` [k] to row r one token at a time, and stop where the stopping criteria (shown each token's
-        processed scores, [k, V]) stop, exactly where plain ``generate`` would: -> how many were committed."""
-        for i in range(new.shape[0]):
-            length = self.lengths[r]
-            self.tokens[r, length] = new[i]
-            self.lengths[r] = length + 1
-            stop = bool(stopping_criteria(self.tokens[r : r + 1, : length + 1], scores[i : i + 1]).any())
-            if stop or length + 1 == self.tokens.shape[1]:
+        """Append ``new`` [k] to row r and stop where the stopping criteria (shown each token's processed scores,
+        [k, V], one token at a time) stop, exactly where plain ``generate`` would: -> how many were committed.
+        Columns past the row's length may hold tokens that were not committed; only ``lengths`` counts."""
+        start, k = self.lengths[r], min(new.shape[0], self.tokens.shape[1] - self.lengths[r])
+        self.tokens[r, start : start + k] = new[:k]
+        for i in range(k):
+            self.lengths[r] = start + i + 1
+            if bool(stopping_criteria(self.tokens[r : r + 1, : start + i + 1], scores[i : i + 1]).any()):
                 self.finished[r] = True
                 return i + 1
-        return new.shape[0]
+        if self.lengths[r] == self.tokens.shape[1]:
+            self.finished[r] = True
+        return k
 
     def advance(self, kept: torch.Tensor, fused: torch.Tensor, positions: torch.Tensor) -> None:
         """After a verify of [R, W] slots: keep in both caches the slots that committed tokens (``kept`` [R, W]: each
@@ -215,6 +231,10 @@ class Outputs:
     scores: list[torch.Tensor] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
 
+    @property
+    def wanted(self) -> bool:
+        return self.want_scores or self.want_logits or self.streamer is not None
+
     def emit(self, tokens: torch.Tensor, scores: torch.Tensor, raw: torch.Tensor) -> None:
         """Committed ``tokens`` [k] with their processed ``scores`` and ``raw`` logits [k, V]."""
         if self.want_scores:
@@ -225,8 +245,18 @@ class Outputs:
             self.streamer.put(tokens.cpu())
 
 
-def prefill(target, draft, input_ids, model_kwargs, cache, tap, logits_processor, stopping_criteria, do_sample,
-            max_length: int, pad_id: int, outputs: Outputs) -> DecodeState:  # fmt: skip
+def prefill(
+    target,
+    draft,
+    input_ids,
+    model_kwargs: dict,
+    cache,
+    tap: LayerTap,
+    rules: Rules,
+    max_length: int,
+    pad_id: int,
+    outputs: Outputs,
+) -> DecodeState:
     """The prompt [R, P] through the target (the last position's logits only) -> the decode state: the target's
     cache and the draft's queued context hold the prompt, and each row holds its first new token as its anchor."""
     R, device = input_ids.shape[0], input_ids.device
@@ -245,15 +275,16 @@ def prefill(target, draft, input_ids, model_kwargs, cache, tap, logits_processor
     context.extend(fused, positions, cache_mask.bool())
     raw = out.logits[:, -1]
     check_finite(raw)
-    scores = process(logits_processor, input_ids, raw.float() if raw.dtype != torch.float64 else raw)
-    first = torch.multinomial(probs(scores), 1)[:, 0] if do_sample else scores.argmax(-1)
+    scores = process(rules.processors, input_ids, raw.float() if raw.dtype != torch.float64 else raw)
+    first = torch.multinomial(probs(scores), 1)[:, 0] if rules.do_sample else scores.argmax(-1)
     outputs.emit(first, scores, raw)
     tokens = torch.full((R, max(max_length, input_ids.shape[1] + 1)), pad_id, dtype=torch.long, device=device)
     tokens[:, : input_ids.shape[1]] = input_ids
-    state = DecodeState(tokens, [input_ids.shape[1]] * R, [False] * R, cache, cache_mask, context,
-                        positions[:, -1] + 1, list(range(R)))  # fmt: skip
+    state = DecodeState(
+        tokens, [input_ids.shape[1]] * R, [False] * R, cache, cache_mask, context, positions[:, -1] + 1, list(range(R))
+    )
     for r in range(R):
-        state.commit(r, first[r : r + 1], scores[r : r + 1], stopping_criteria)
+        state.commit(r, first[r : r + 1], scores[r : r + 1], rules.stopping)
     return state
 
 
@@ -320,8 +351,9 @@ class Schedule:
         if plan.planner is not None:
             lengths = plan.planner.lengths
         else:
-            lengths = choose_lengths(s.verify_mode, conf, plan.caps, self.confidences, self.planning,
-                                     s.confidence_threshold, s.verify_layout)  # fmt: skip
+            lengths = choose_lengths(
+                s.verify_mode, conf, plan.caps, self.confidences, self.planning, s.confidence_threshold, s.verify_layout
+            )
         if conf is not None and conf.shape[1]:
             self.confidences = [*self.confidences[-1:], conf.cpu()]
             if self.priced:
@@ -352,8 +384,15 @@ class VerifyBlock:
     probs: list[torch.Tensor | None]
 
 
-def verify_block(state: DecodeState, plan: RoundPlan, proposal: Proposal, lengths: list[int], pad_id: int,
-                 vocab_size: int, do_sample: bool) -> VerifyBlock:  # fmt: skip
+def verify_block(
+    state: DecodeState,
+    plan: RoundPlan,
+    proposal: Proposal,
+    lengths: list[int],
+    pad_id: int,
+    vocab_size: int,
+    do_sample: bool,
+) -> VerifyBlock:
     R, device = state.size, state.tokens.device
     width = max(lengths[r] + 1 for r in state.active)
     tokens = torch.full((R, width), pad_id, dtype=torch.long, device=device)
@@ -374,21 +413,35 @@ def verify_block(state: DecodeState, plan: RoundPlan, proposal: Proposal, length
     return VerifyBlock(tokens, valid, positions, proposed, dists)
 
 
-def accept(state: DecodeState, block: VerifyBlock, raw: torch.Tensor, plan: RoundPlan, proposal: Proposal,
-           logits_processor, stopping_criteria, do_sample: bool, outputs: Outputs) -> torch.Tensor:  # fmt: skip
+def accept(
+    state: DecodeState,
+    block: VerifyBlock,
+    raw: torch.Tensor,
+    plan: RoundPlan,
+    proposal: Proposal,
+    rules: Rules,
+    outputs: Outputs,
+) -> torch.Tensor:
     """Exact acceptance for every active row against the target's raw logits [R, W, V]; commits each row's accepted
     drafts + its correction/bonus token. -> kept [R, W]: the slots that now hold committed tokens."""
     kept = torch.zeros_like(block.valid)
     for r in state.active:
         ell = block.proposed[r].shape[0]
-        n, nxt, scores = verify_row(block.proposed[r], block.probs[r], raw[r, : ell + 1], state.history(r),
-                                    logits_processor, do_sample)  # fmt: skip
+        n, nxt, scores = verify_row(
+            block.proposed[r], block.probs[r], raw[r, : ell + 1], state.history(r), rules.processors, rules.do_sample
+        )
         new = torch.cat([block.proposed[r][:n], nxt[None]])
-        committed = state.commit(r, new, scores, stopping_criteria)
+        committed = state.commit(r, new, scores, rules.stopping)
         drafted = r not in plan.looked_up and proposal.confidences is not None
-        outputs.stats.record(ell, n, committed, proposal.confidences[r, :ell].tolist() if drafted else None,
-                             looked_up=r in plan.looked_up)  # fmt: skip
-        outputs.emit(new[:committed], scores, raw[r])
+        outputs.stats.record(
+            ell,
+            n,
+            committed,
+            proposal.confidences[r, :ell].tolist() if drafted else None,
+            looked_up=r in plan.looked_up,
+        )
+        if outputs.wanted:
+            outputs.emit(new[:committed], scores, raw[r])
         kept[r, : n + 1] = True
         state.anchor_positions[r] += n + 1
     return kept
@@ -419,45 +472,43 @@ def dspark_decode(
         raise ValueError("DSpark generation does not support synced_gpus (ZeRO-3 / FSDP sharded generation).")
     if not draft.is_attached or draft.target is not target:
         draft.attach(target)
-    cache, g = cache_from(model_kwargs), generation_config
-    check_cache(cache, input_ids.shape[0], g.max_length)
-    do_sample, pad = g.do_sample, g._pad_token_tensor
-    pad_id = int(pad) if pad is not None else 0
-    settings = settings if settings is not None else DecodeSettings.resolve(draft)
+    cache, g, batch = cache_from(model_kwargs), generation_config, input_ids.shape[0]
+    check_cache(cache, batch, g.max_length)
+    rules = Rules(logits_processor, g.do_sample, stopping_criteria)
+    pad_id = int(g._pad_token_tensor) if g._pad_token_tensor is not None else 0
+    vocab_size = target.config.get_text_config().vocab_size
     stats = draft.stats = DSparkStats(num_draft_tokens=draft.config.num_draft_tokens)  # the running call's
     returned = g.return_dict_in_generate
     outputs = Outputs(stats, returned and g.output_scores, returned and g.output_logits, streamer)
     # rows leave the batch as they finish, unless the caller asked for the cache back (it then covers every row)
     compact = hasattr(cache, "batch_select_indices") and not returned
-    schedule = Schedule(settings, draft.config.num_draft_tokens)
+    schedule = Schedule(settings or DecodeSettings.resolve(draft), draft.config.num_draft_tokens)
     with LayerTap(target, draft) as tap:
-        state = prefill(target, draft, input_ids, model_kwargs, cache, tap, logits_processor, stopping_criteria,
-                        do_sample, g.max_length, pad_id, outputs)  # fmt: skip
-        schedule.price(draft, target, state.size, do_sample)
+        state = prefill(target, draft, input_ids, model_kwargs, cache, tap, rules, g.max_length, pad_id, outputs)
+        schedule.price(draft, target, state.size, g.do_sample)
         while state.active:
             stats.round_rows.append([state.rows[r] for r in state.active])
             plan = schedule.plan(state, g.max_length)
-            proposal = draft_block(draft, state.context, state.histories(), state.anchor_positions, plan.max_tokens,
-                                   logits_processor, do_sample, plan.planner)  # fmt: skip
+            proposal = draft_block(
+                draft, *state.draft_inputs(), plan.max_tokens, logits_processor, g.do_sample, plan.planner
+            )
             lengths = schedule.lengths(plan, proposal, state)
             stats.verify_rounds.append([lengths[r] for r in state.active])
-            block = verify_block(state, plan, proposal, lengths, pad_id, target.config.get_text_config().vocab_size,
-                                 do_sample)  # fmt: skip
-            mask = torch.cat([state.cache_mask, block.valid.long()], dim=1)
-            out, fused = target_forward(target, block.tokens, block.positions, None if bool(mask.all()) else mask,
-                                        cache, tap)  # fmt: skip
+            block = verify_block(state, plan, proposal, lengths, pad_id, vocab_size, g.do_sample)
+            mask = state.attention_mask(block.valid)
+            out, fused = target_forward(target, block.tokens, block.positions, mask, cache, tap)
             raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
             check_finite(raw[block.valid])
-            kept = accept(state, block, raw, plan, proposal, logits_processor, stopping_criteria, do_sample, outputs)
+            kept = accept(state, block, raw, plan, proposal, rules, outputs)
             if not state.active:
                 break
             state.advance(kept, fused, block.positions)
             if compact and any(state.finished):
                 schedule.select(state.compact())
-                schedule.price(draft, target, profile_rows(state.size, input_ids.shape[0]), do_sample)
+                schedule.price(draft, target, profile_rows(state.size, batch), g.do_sample)
     if streamer is not None:
         streamer.end()
-    sequences = state.sequences(input_ids.shape[0], pad_id)
+    sequences = state.sequences(batch, pad_id)
     draft.stats = stats  # the last call to finish; its own stats come back on a dict output
     if not returned:
         return sequences

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, lint, and run the default test suite (slow tests are marked and run by benchmarks, not here), then the
+# Set up, lint, and run the default test suite (timing-sensitive measurements are benchmarks, not tests), then the
 # generation tests again on the oldest supported transformers release, installed beside the main one.
 set -euo pipefail
 cd "$(dirname "$0")/.."

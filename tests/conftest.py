@@ -6,63 +6,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import hf_dspark  # noqa: F401  (enables generate(assistant_model=draft))
-
-
-def tiny_target(arch: str = "llama", vocab_size: int = 96, dtype=torch.float32, seed: int = 0, layers: int = 4, **kw):
-    """A tiny randomly initialised causal LM; ``arch`` is "llama" or "qwen3"."""
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    common.update(kw)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))
-    else:
-        raise ValueError(arch)
-    # Sharper logits than the default init, so greedy paths are not decided by float noise.
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)
-    return model.to(dtype).eval()
-
-
-def tiny_rows(target, n: int = 12, new_tokens: int = 30) -> list[dict]:
-    """Training rows whose answers are the tiny target's own greedy continuations of random 6-token prompts."""
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(n):
-        ids = target.generate(torch.randint(3, 96, (1, 6), generator=g), max_new_tokens=new_tokens, do_sample=False)[0]
-        rows.append({"id": str(i), "prompt_ids": ids[:6].tolist(), "response_ids": ids[6:].tolist()})
-    return rows
-
-
-def char_tokenizer():
-    """A tiny character-level tokenizer (ids 3..93 for printable characters) with a chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 32 + 90)] + ["\n"]
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()  # characters join without spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    fast.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'][:40] }}\n{% endfor %}a:"
-    return fast
 
 
 @pytest.fixture(scope="session")

@@ -108,10 +108,12 @@ def make_handler(state: HubState, endpoint: list[str]):
             if path.startswith("/api/models/") and "/tree/" in path:
                 repo = path[len("/api/models/") :].split("/tree/")[0]
                 files = state.repos.get(repo, {})
-                return self._json([
-                    {"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
-                    for f, d in sorted(files.items())
-                ])  # fmt: skip
+                return self._json(
+                    [
+                        {"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                        for f, d in sorted(files.items())
+                    ]
+                )
             if path.startswith("/api/models/"):
                 repo = path[len("/api/models/") :].split("/revision/")[0]
                 if repo not in state.repos:
@@ -120,8 +122,15 @@ def make_handler(state: HubState, endpoint: list[str]):
                     self.end_headers()
                     return
                 files = state.repos[repo]
-                return self._json({"id": repo, "modelId": repo, "sha": state.sha(repo), "private": False,
-                                   "siblings": [{"rfilename": f} for f in sorted(files)]})  # fmt: skip
+                return self._json(
+                    {
+                        "id": repo,
+                        "modelId": repo,
+                        "sha": state.sha(repo),
+                        "private": False,
+                        "siblings": [{"rfilename": f} for f in sorted(files)],
+                    }
+                )
             return self._json({"error": f"unsupported GET {path}"}, 404)
 
     return Handler

@@ -2,21 +2,13 @@
 
 import pytest
 import torch
-from conftest import tiny_target
+from helpers import PAD, PROMPTS, left_pad
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.scheduler import SPSProfile
+from hf_dspark.testing import tiny_target
 from hf_dspark.versions import CACHE_FIELD
-
-PAD = 0
-
-
-def left_pad(prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 def new_tokens(row, eos):
@@ -24,9 +16,6 @@ def new_tokens(row, eos):
     if eos is not None and eos in row:
         row = row[: row.index(eos) + 1]
     return row
-
-
-PROMPTS = [[5, 17, 33, 2, 9, 41, 8], [12, 3], [70, 71, 72, 73, 74], [90, 15, 15, 60]]
 
 
 def scripted_draft(draft, refs, right):
@@ -67,9 +56,14 @@ def test_batched_greedy_equals_per_row_plain_greedy(mode, arch):
     ]
     ids, mask = left_pad(PROMPTS)
     out = target.generate(
-        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=PAD,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=20,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=PAD,
         assistant_model=draft,
-    )  # fmt: skip
+    )
     width = ids.shape[1]
     for r, ref in enumerate(refs):
         assert new_tokens(out[r, width:], eos) == ref, f"row {r}"
@@ -109,9 +103,14 @@ def test_finished_rows_leave_the_batch(mode, monkeypatch):
     refs = [target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :] for p in PROMPTS]
     verify_rows.clear()
     out = target.generate(
-        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD,
-        stopping_criteria=StoppingCriteriaList([RowBudget()]), assistant_model=draft,
-    )  # fmt: skip
+        ids,
+        attention_mask=mask,
+        max_new_tokens=20,
+        do_sample=False,
+        pad_token_id=PAD,
+        stopping_criteria=StoppingCriteriaList([RowBudget()]),
+        assistant_model=draft,
+    )
     for r, n in enumerate(budgets.values()):
         assert out[r, width : width + n].tolist() == refs[r][:n].tolist(), f"row {r}"
         assert out[r, width + n :].eq(PAD).all()
@@ -182,8 +181,10 @@ def test_smollm2_batch_of_four_prompts(smollm2):
     draft = DSparkDraftModel.from_target(target, block_size=4, num_draft_layers=1, head_rank=16)
     draft.sps_profile = SPSProfile.from_table({1: 10.0, 8: 8.0, 40: 3.0})
     eos = tokenizer.eos_token_id
-    refs = [new_tokens(target.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p) :], eos)
-            for p in prompts]  # fmt: skip
+    refs = [
+        new_tokens(target.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p) :], eos)
+        for p in prompts
+    ]
     ids, mask = left_pad(prompts)
     ids[mask == 0] = tokenizer.pad_token_id
     out = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, assistant_model=draft)
@@ -216,10 +217,15 @@ def _throughput_benchmark():
 
 def test_throughput_table_ratios_by_hand():
     mode = lambda t, **kw: {"tokens": 64, "seconds": 64 / t, "tok_per_s": t, **kw}  # noqa: E731
-    row = {"R": 4, "prompts": 8, "plain": mode(50.0), "fixed-2": mode(40.0, tau=1.3, verify_per_request=2.0),
-           "fixed-4": mode(45.0, tau=1.3, verify_per_request=4.0),
-           "scheduled": mode(54.0, tau=1.3, verify_per_request=1.5),
-           "oracle": mode(60.0, tau=1.3, verify_per_request=1.0)}  # fmt: skip
+    row = {
+        "R": 4,
+        "prompts": 8,
+        "plain": mode(50.0),
+        "fixed-2": mode(40.0, tau=1.3, verify_per_request=2.0),
+        "fixed-4": mode(45.0, tau=1.3, verify_per_request=4.0),
+        "scheduled": mode(54.0, tau=1.3, verify_per_request=1.5),
+        "oracle": mode(60.0, tau=1.3, verify_per_request=1.0),
+    }
     result = {"date": "2026-11-29", "dtype": "bfloat16", "threads": 2, "max_new_tokens": 64, "gamma": 8, "rows": [row]}
     table = _throughput_benchmark().markdown(result)
     # scheduled / best fixed = 54 / 45, scheduled / oracle = 54 / 60

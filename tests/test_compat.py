@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_target
 from safetensors.torch import load_file, save_file
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.compat import export_deepspec
+from hf_dspark.testing import tiny_target
 
 D, H, KV, HD, FF, V, R, GAMMA, LAYERS, MASK = 32, 4, 2, 8, 64, 96, 8, 4, 2, 95
 TARGET_LAYERS = [0, 2]
@@ -24,26 +24,47 @@ def deepspec_checkpoint(folder, head="vanilla", seed=0):
     for i in range(LAYERS):
         p = f"layers.{i}."
         sd |= {
-            p + "self_attn.q_proj.weight": rnd(H * HD, D), p + "self_attn.k_proj.weight": rnd(KV * HD, D),
-            p + "self_attn.v_proj.weight": rnd(KV * HD, D), p + "self_attn.o_proj.weight": rnd(D, H * HD),
-            p + "self_attn.q_norm.weight": 1 + rnd(HD), p + "self_attn.k_norm.weight": 1 + rnd(HD),
-            p + "mlp.gate_proj.weight": rnd(FF, D), p + "mlp.up_proj.weight": rnd(FF, D),
+            p + "self_attn.q_proj.weight": rnd(H * HD, D),
+            p + "self_attn.k_proj.weight": rnd(KV * HD, D),
+            p + "self_attn.v_proj.weight": rnd(KV * HD, D),
+            p + "self_attn.o_proj.weight": rnd(D, H * HD),
+            p + "self_attn.q_norm.weight": 1 + rnd(HD),
+            p + "self_attn.k_norm.weight": 1 + rnd(HD),
+            p + "mlp.gate_proj.weight": rnd(FF, D),
+            p + "mlp.up_proj.weight": rnd(FF, D),
             p + "mlp.down_proj.weight": rnd(D, FF),
-            p + "input_layernorm.weight": 1 + rnd(D), p + "post_attention_layernorm.weight": 1 + rnd(D),
-        }  # fmt: skip
+            p + "input_layernorm.weight": 1 + rnd(D),
+            p + "post_attention_layernorm.weight": 1 + rnd(D),
+        }
     sd |= {"markov_head.markov_w1.weight": rnd(V, R), "markov_head.markov_w2.weight": rnd(V, R)}
     if head == "gated":
         sd |= {"markov_head.gate_proj.weight": rnd(R, D + R), "markov_head.gate_proj.bias": rnd(R)}
     sd |= {"confidence_head.proj.weight": rnd(1, D + R), "confidence_head.proj.bias": rnd(1)}
     sd |= {"embed_tokens.weight": rnd(V, D), "lm_head.weight": rnd(V, D)}
     config = {
-        "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "hidden_size": D, "intermediate_size": FF,
-        "num_attention_heads": H, "num_key_value_heads": KV, "head_dim": HD, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "vocab_size": V, "num_hidden_layers": LAYERS, "num_target_layers": 4,
-        "block_size": GAMMA, "mask_token_id": MASK, "target_layer_ids": TARGET_LAYERS, "num_anchors": 512,
-        "markov_rank": R, "markov_head_type": head, "enable_confidence_head": True,
-        "confidence_head_with_markov": True, "tie_word_embeddings": False, "attention_bias": False,
-    }  # fmt: skip
+        "architectures": ["Qwen3DSparkModel"],
+        "model_type": "qwen3",
+        "hidden_size": D,
+        "intermediate_size": FF,
+        "num_attention_heads": H,
+        "num_key_value_heads": KV,
+        "head_dim": HD,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": V,
+        "num_hidden_layers": LAYERS,
+        "num_target_layers": 4,
+        "block_size": GAMMA,
+        "mask_token_id": MASK,
+        "target_layer_ids": TARGET_LAYERS,
+        "num_anchors": 512,
+        "markov_rank": R,
+        "markov_head_type": head,
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+    }
     folder.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
@@ -86,8 +107,9 @@ def reference_forward(sd, ctx_hidden, anchor, prev, ctx_len, head="vanilla"):
     e = sd["markov_head.markov_w1.weight"][prev]
     code = e
     if head == "gated":
-        code = e * torch.sigmoid(torch.cat([out, e], -1) @ sd["markov_head.gate_proj.weight"].T
-                                 + sd["markov_head.gate_proj.bias"])  # fmt: skip
+        code = e * torch.sigmoid(
+            torch.cat([out, e], -1) @ sd["markov_head.gate_proj.weight"].T + sd["markov_head.gate_proj.bias"]
+        )
     logits = out @ sd["lm_head.weight"].T + code @ sd["markov_head.markov_w2.weight"].T
     conf = torch.cat([out, e], -1) @ sd["confidence_head.proj.weight"].T + sd["confidence_head.proj.bias"]
     return logits, conf[:, 0]
@@ -132,8 +154,15 @@ def test_export_round_trip_gives_identical_logits(tmp_path):
     raw = json.loads((tmp_path / "export" / "config.json").read_text())
     assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["markov_head_type"] == "vanilla"
     keys = set(load_file(tmp_path / "export" / "model.safetensors"))
-    assert {"markov_head.markov_w1.weight", "confidence_head.proj.weight", "embed_tokens.weight", "lm_head.weight",
-            "layers.1.self_attn.k_norm.weight", "fc.weight", "hidden_norm.weight"} <= keys  # fmt: skip
+    assert {
+        "markov_head.markov_w1.weight",
+        "confidence_head.proj.weight",
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "layers.1.self_attn.k_norm.weight",
+        "fc.weight",
+        "hidden_norm.weight",
+    } <= keys
     back = DSparkDraftModel.from_pretrained(tmp_path / "export").attach(target)
     a, b = draft.state_dict(), back.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -180,8 +209,17 @@ def test_cli_export(tmp_path):
     DSparkDraftModel.from_target(target, block_size=GAMMA, head_rank=R, mask_token_id=MASK).save_pretrained(
         tmp_path / "draft"
     )
-    main(["export", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--out",
-          str(tmp_path / "ds")])  # fmt: skip
+    main(
+        [
+            "export",
+            "--target",
+            str(tmp_path / "target"),
+            "--draft",
+            str(tmp_path / "draft"),
+            "--out",
+            str(tmp_path / "ds"),
+        ]
+    )
     assert json.loads((tmp_path / "ds" / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
     assert DSparkDraftModel.from_pretrained(tmp_path / "ds").config.mask_token_id == MASK
 
@@ -191,12 +229,23 @@ def dflash_checkpoint(folder, seed=0, num_target_layers=4):
     sd = deepspec_checkpoint(folder, seed=seed)
     sd = {k: v for k, v in sd.items() if not k.startswith(("markov_head", "confidence_head", "embed", "lm_head"))}
     config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": D, "intermediate_size": FF,
-        "num_attention_heads": H, "num_key_value_heads": KV, "head_dim": HD, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "vocab_size": V, "num_hidden_layers": LAYERS, "num_target_layers": num_target_layers,
-        "block_size": GAMMA, "layer_types": ["full_attention"] * LAYERS, "tie_word_embeddings": False,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": D,
+        "intermediate_size": FF,
+        "num_attention_heads": H,
+        "num_key_value_heads": KV,
+        "head_dim": HD,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": V,
+        "num_hidden_layers": LAYERS,
+        "num_target_layers": num_target_layers,
+        "block_size": GAMMA,
+        "layer_types": ["full_attention"] * LAYERS,
+        "tie_word_embeddings": False,
         "dflash_config": {"target_layer_ids": TARGET_LAYERS, "mask_token_id": MASK},
-    }  # fmt: skip
+    }
     save_file(sd, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
     return sd

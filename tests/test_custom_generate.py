@@ -3,14 +3,14 @@ with hf-dspark's ``assistant_model`` patch switched off, so nothing but the publ
 
 import pytest
 import torch
-from conftest import tiny_target
-from test_sampling import ALPHA, CASES, _processors, chi_square_pvalue, exact_distribution, sample_counts
+from helpers import ALPHA, CASES, chi_square_pvalue, exact_distribution, processors, sample_counts
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dspark
 from hf_dspark import DSparkDraftModel, dspark_generate
 from hf_dspark.scheduler import SPSProfile
+from hf_dspark.testing import tiny_target
 from hf_dspark.versions import CACHE_FIELD
 
 
@@ -54,8 +54,15 @@ def test_left_padded_batch_equals_plain_greedy_per_row():
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
-                          custom_generate=dspark_generate, draft=draft)  # fmt: skip
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=16,
+        do_sample=False,
+        pad_token_id=0,
+        custom_generate=dspark_generate,
+        draft=draft,
+    )
     for r, p in enumerate(prompts):
         ref = target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :]
         assert out[r, width:].tolist() == ref.tolist()
@@ -70,8 +77,13 @@ def test_return_dict_scores_and_stopping_criteria_as_plain_generate():
         def __call__(self, input_ids, scores, **kw):
             return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 5 + 7, dtype=torch.bool)
 
-    kw = dict(max_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_scores=True,
-              stopping_criteria=StoppingCriteriaList([StopAfter()]))  # fmt: skip
+    kw = dict(
+        max_new_tokens=20,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+        stopping_criteria=StoppingCriteriaList([StopAfter()]),
+    )
     ref = target.generate(ids, **kw)
     out = target.generate(ids, custom_generate=dspark_generate, draft=draft, **kw)
     assert out.sequences.tolist() == ref.sequences.tolist() and out.sequences.shape[1] == 12
@@ -99,8 +111,9 @@ def test_streamer_given_to_generate_gets_the_prompt_then_every_token_once():
     ids = torch.tensor([[7, 3, 22, 41]])
     ref = target.generate(ids, max_new_tokens=18, do_sample=False)
     streamer = Recorder()
-    out = target.generate(ids, max_new_tokens=18, do_sample=False, streamer=streamer,
-                          custom_generate=dspark_generate, draft=draft)  # fmt: skip
+    out = target.generate(
+        ids, max_new_tokens=18, do_sample=False, streamer=streamer, custom_generate=dspark_generate, draft=draft
+    )
     assert out.tolist() == ref.tolist()
     assert streamer.puts[0] == ids[0].tolist() and streamer.ended
     assert [t for put in streamer.puts[1:] for t in put] == ref[0, 4:].tolist()
@@ -108,7 +121,7 @@ def test_streamer_given_to_generate_gets_the_prompt_then_every_token_once():
 
 
 def test_sampling_matches_target_distribution_without_the_patch():
-    from test_sampling import VOCAB
+    from helpers import VOCAB
 
     kw = CASES["top-k-top-p"]
     target = tiny_target("llama", vocab_size=VOCAB, dtype=torch.float64, seed=3, tie_word_embeddings=False)
@@ -117,7 +130,7 @@ def test_sampling_matches_target_distribution_without_the_patch():
     torch.manual_seed(1)
     with torch.no_grad():
         draft.sequential_head.markov_w2.weight.normal_(0, 2.0)
-    probs = exact_distribution(target, _processors(kw["temperature"], kw["top_k"], kw["top_p"]))
+    probs = exact_distribution(target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw, custom_generate=True)
     assert chi_square_pvalue(counts, probs) > ALPHA
     assert 0 < draft.seen["accepted"] < draft.seen["proposed"]
@@ -137,8 +150,9 @@ def test_refused_inputs_name_the_problem():
     with pytest.raises(ValueError, match="beam search"):
         target.generate(ids, max_new_tokens=4, num_beams=2, custom_generate=dspark_generate, draft=draft)
     with pytest.raises(ValueError, match="num_return_sequences"):
-        target.generate(ids, max_new_tokens=4, do_sample=True, num_return_sequences=2,
-                        custom_generate=dspark_generate, draft=draft)  # fmt: skip
+        target.generate(
+            ids, max_new_tokens=4, do_sample=True, num_return_sequences=2, custom_generate=dspark_generate, draft=draft
+        )
     with pytest.raises(ValueError, match="not used by the model"):
         target.generate(ids, max_new_tokens=4, custom_generate=dspark_generate, draft=draft, verify_modee="x")
 
@@ -149,13 +163,28 @@ def test_per_call_settings_leave_the_saved_config_alone():
     before = draft.config.to_dict()
     ids = torch.tensor([[5, 9, 13, 2, 40, 5, 9, 13, 2, 40, 5, 9]])  # repeats: lookups find continuations
     ref = target.generate(ids, max_new_tokens=20, do_sample=False)
-    out = target.generate(ids, max_new_tokens=20, do_sample=False, custom_generate=dspark_generate, draft=draft,
-                          verify_mode="fixed", verify_limit=2, return_dict_in_generate=True)  # fmt: skip
+    out = target.generate(
+        ids,
+        max_new_tokens=20,
+        do_sample=False,
+        custom_generate=dspark_generate,
+        draft=draft,
+        verify_mode="fixed",
+        verify_limit=2,
+        return_dict_in_generate=True,
+    )
     assert out.sequences.tolist() == ref.tolist()
     assert max(n for rnd in out.dspark_stats.verify_rounds for n in rnd) == 2  # fewer only at the length limit
     assert out.dspark_stats is draft.stats
-    looked = target.generate(ids, max_new_tokens=20, do_sample=False, custom_generate=dspark_generate, draft=draft,
-                             lookup_max_ngram=3, lookup_min_ngram=2)  # fmt: skip
+    looked = target.generate(
+        ids,
+        max_new_tokens=20,
+        do_sample=False,
+        custom_generate=dspark_generate,
+        draft=draft,
+        lookup_max_ngram=3,
+        lookup_min_ngram=2,
+    )
     assert looked.tolist() == ref.tolist() and any(draft.stats.looked_up)
     assert draft.config.to_dict() == before
     for bad, message in [
@@ -179,8 +208,15 @@ def test_two_threads_sharing_a_draft_keep_their_own_settings_and_stats():
     refs = [target.generate(p, max_new_tokens=24, do_sample=False).tolist() for p in prompts]
 
     def call(p, limit):
-        return target.generate(p, max_new_tokens=24, do_sample=False, custom_generate=dspark_generate, draft=draft,
-                               verify_limit=limit, return_dict_in_generate=True)  # fmt: skip
+        return target.generate(
+            p,
+            max_new_tokens=24,
+            do_sample=False,
+            custom_generate=dspark_generate,
+            draft=draft,
+            verify_limit=limit,
+            return_dict_in_generate=True,
+        )
 
     alone = {(i, limit): call(p, limit).dspark_stats.verify_rounds for i, p in enumerate(prompts) for limit in (1, 4)}
     results, errors = {}, []
@@ -208,8 +244,9 @@ def test_two_threads_sharing_a_draft_keep_their_own_settings_and_stats():
 def test_stop_strings_through_an_explicit_criterion():
     """transformers hands a custom_generate callable no `tokenizer=`, so `stop_strings=` alone is refused by
     transformers itself; the same stop strings as a StopStringCriteria stop exactly where plain generate stops."""
-    from conftest import char_tokenizer
     from transformers import StopStringCriteria
+
+    from hf_dspark.testing import char_tokenizer
 
     target, tokenizer = tiny_target("llama", vocab_size=96), char_tokenizer()
     draft = _draft(target)
@@ -219,9 +256,21 @@ def test_stop_strings_through_an_explicit_criterion():
     ref = target.generate(ids, max_new_tokens=30, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
     assert ref.shape[1] < ids.shape[1] + 30  # the stop string really stops it
     with pytest.raises(ValueError, match="could not locate a tokenizer"):
-        target.generate(ids, max_new_tokens=30, stop_strings=[stop], tokenizer=tokenizer,
-                        custom_generate=dspark_generate, draft=draft)  # fmt: skip
+        target.generate(
+            ids,
+            max_new_tokens=30,
+            stop_strings=[stop],
+            tokenizer=tokenizer,
+            custom_generate=dspark_generate,
+            draft=draft,
+        )
     criteria = StoppingCriteriaList([StopStringCriteria(tokenizer, [stop])])
-    out = target.generate(ids, max_new_tokens=30, do_sample=False, stopping_criteria=criteria,
-                          custom_generate=dspark_generate, draft=draft)  # fmt: skip
+    out = target.generate(
+        ids,
+        max_new_tokens=30,
+        do_sample=False,
+        stopping_criteria=criteria,
+        custom_generate=dspark_generate,
+        draft=draft,
+    )
     assert out.tolist() == ref.tolist()

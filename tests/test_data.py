@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import char_tokenizer, tiny_target
 
 from hf_dspark.evaluation.evaluate import DATASETS, eval_dir, load_prompts
+from hf_dspark.testing import char_tokenizer, tiny_target
 from hf_dspark.training.data import (
     OPEN_SHARD,
     load_dataset,

@@ -6,9 +6,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import pytest
 import torch
-from conftest import char_tokenizer, tiny_target
 
 from hf_dspark import DSparkDraftModel
+from hf_dspark.testing import char_tokenizer, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     client = Client(demo.local_url, verbose=False)
     plain, dspark_html, stats, chart = client.predict(
         "hello there", False, 0.7, 16, 4, "fixed", True, False, api_name="/compare"
-    )  # fmt: skip
+    )
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hello there"}], add_generation_prompt=True, return_tensors="pt"
     )["input_ids"]
@@ -55,7 +55,7 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     # with the sequential head switched off the output is still the target's
     plain_off, dspark_off, _, _ = client.predict(
         "hello there", False, 0.7, 16, 4, "fixed", False, False, api_name="/compare"
-    )  # fmt: skip
+    )
     assert plain_off == expected and html.unescape(re.sub(r"<[^>]+>", "", dspark_off)) == expected
     assert "looked up" not in stats
     # with lookup drafting on (the prompt repeats, so some rounds look up) the output is still the target's
@@ -68,7 +68,7 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     )
     plain_lk, dspark_lk, stats_lk, _ = client.predict(
         repeating, False, 0.7, 16, 4, "fixed", True, True, api_name="/compare"
-    )  # fmt: skip
+    )
     assert plain_lk == expected and html.unescape(re.sub(r"<[^>]+>", "", dspark_lk)) == expected
     looked = int(stats_lk.split(" looked up")[0].rsplit("(", 1)[1])
     assert draft.config.to_dict() == saved  # every request's settings were its own
@@ -91,9 +91,16 @@ def test_browser_types_a_prompt_and_sees_both_outputs(running_demo, tmp_path):
     from playwright.sync_api import sync_playwright
 
     demo, *_ = running_demo
-    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync",
-             "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost"]  # fmt: skip
+    flags = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost",
+    ]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=flags)
         page = browser.new_page(viewport={"width": 1280, "height": 900})

@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
-from conftest import char_tokenizer, tiny_target
 
 from hf_dspark import DSparkDraftModel, DSparkStats
 from hf_dspark.evaluation.evaluate import load_prompts, summarize
+from hf_dspark.testing import char_tokenizer, tiny_target
 
 
 def trace(proposed, accepted, committed, gamma=4):
@@ -56,8 +56,21 @@ def test_cli_eval_end_to_end(tmp_path):
     DSparkDraftModel.from_target(target, block_size=4, head_type="none").save_pretrained(tmp_path / "none")
     drafts = [f"markov={tmp_path / 'draft'}", f"none={tmp_path / 'none'}"]
     args = ["--target", str(tmp_path / "target"), "--draft", *drafts, "--out", str(out)]
-    main(["eval", *args, "--datasets", "gsm8k", "mt-bench", "--limit", "2", "--max-new-tokens", "12",
-          "--verify-mode", "fixed"])  # fmt: skip
+    main(
+        [
+            "eval",
+            *args,
+            "--datasets",
+            "gsm8k",
+            "mt-bench",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--verify-mode",
+            "fixed",
+        ]
+    )
     results = json.loads((out / "eval.json").read_text())
     assert [(r["draft"], r["dataset"], r["temperature"]) for r in results] == [
         (d, name, t) for d in ("markov", "none") for name in ("gsm8k", "mt-bench") for t in (0.0, 1.0)
@@ -97,13 +110,45 @@ def test_cli_bench_end_to_end(tmp_path):
     none = DSparkDraftModel.from_target(target, block_size=4, head_type="none", confidence_head=False)
     none.save_pretrained(tmp_path / "none")
     out = tmp_path / "out"
-    main(["bench", "--target", str(tmp_path / "target"), "--draft", f"markov={tmp_path / 'markov'}",
-          f"none={tmp_path / 'none'}", "--datasets", "humaneval", "--limit", "2", "--max-new-tokens", "10",
-          "--gammas", "2", "4", "8", "--lookup", "3", "--lookup-min", "1", "--out", str(out)])  # fmt: skip
+    main(
+        [
+            "bench",
+            "--target",
+            str(tmp_path / "target"),
+            "--draft",
+            f"markov={tmp_path / 'markov'}",
+            f"none={tmp_path / 'none'}",
+            "--datasets",
+            "humaneval",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--gammas",
+            "2",
+            "4",
+            "8",
+            "--lookup",
+            "3",
+            "--lookup-min",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     (result,) = json.loads((out / "bench.json").read_text())
     names = [m["method"] for m in result["methods"]]
-    assert names == ["plain", "prompt-lookup", "markov-fixed2", "markov-fixed4", "markov-scheduled",
-                     "markov-scheduled+lookup", "none-fixed2", "none-fixed4", "none-fixed+lookup"]  # fmt: skip
+    assert names == [
+        "plain",
+        "prompt-lookup",
+        "markov-fixed2",
+        "markov-fixed4",
+        "markov-scheduled",
+        "markov-scheduled+lookup",
+        "none-fixed2",
+        "none-fixed4",
+        "none-fixed+lookup",
+    ]
     plain = result["methods"][0]
     assert plain["speedup"] == 1.0 and plain["tau"] is None
     assert all(m["tau"] >= 1.0 for m in result["methods"][2:]) and all(m["tok_per_s"] > 0 for m in result["methods"])
@@ -179,8 +224,18 @@ def test_results_page_and_readme_summary_are_written_from_json(tmp_path):
     from hf_dspark.cli import main
 
     ctx = {"machine": "x86_64 2 cores (Linux)", "threads": 2, "device": "cpu", "dtype": "float32", "date": "2026-11-29"}
-    ev = [{"dataset": "gsm8k", "temperature": 0.0, "prompts": 30, "tau": 2.5, "verify_rate": 0.4,
-           "tokens_per_s": 20.0, "position_acceptance": [0.6, 0.5], **ctx}]  # fmt: skip
+    ev = [
+        {
+            "dataset": "gsm8k",
+            "temperature": 0.0,
+            "prompts": 30,
+            "tau": 2.5,
+            "verify_rate": 0.4,
+            "tokens_per_s": 20.0,
+            "position_acceptance": [0.6, 0.5],
+            **ctx,
+        }
+    ]
     methods = [
         {"method": "plain", "median_tok_per_s": 15.0, "tok_per_s": 15.0, "speedup": 1.0, "tau": None},
         {"method": "markov-scheduled", "median_tok_per_s": 25.0, "tok_per_s": 24.0, "speedup": 1.6, "tau": 2.5},
@@ -214,22 +269,51 @@ def test_results_merge_bench_runs_keeping_each_runs_baseline(tmp_path):
     from hf_dspark.evaluation.readme import merge_bench
 
     ctx = {"machine": "m", "threads": 2, "device": "cpu", "dtype": "bfloat16", "date": "2026-11-29"}
-    method = lambda name, tps, speedup: {"method": name, "median_tok_per_s": tps, "tok_per_s": tps,  # noqa: E731
-                                         "speedup": speedup, "tau": None}  # fmt: skip
+
+    def method(name, tps, speedup):
+        return {"method": name, "median_tok_per_s": tps, "tok_per_s": tps, "speedup": speedup, "tau": None}
+
     run1 = [{"dataset": "gsm8k", "prompts": 30, **ctx, "methods": [method("plain", 20.0, 1.0), method("a", 22.0, 1.1)]}]
     run2 = [{"dataset": "gsm8k", "prompts": 30, **ctx, "methods": [method("plain", 18.0, 1.0), method("b", 27.0, 1.5)]}]
     run2[0]["date"] = "2026-11-30"  # a draft benchmarked the next day
     curve = {"verify_rate": 0.4, "tokens_per_s": 20.0, "position_acceptance": [0.5, 0.4]}
-    ev = lambda draft, date: [{"draft": draft, "dataset": "gsm8k", "temperature": 0.0, "prompts": 30, "tau": 1.5,  # noqa: E731
-                               **curve, **ctx, "date": date}]  # fmt: skip
+
+    def ev(draft, date):
+        return [
+            {
+                "draft": draft,
+                "dataset": "gsm8k",
+                "temperature": 0.0,
+                "prompts": 30,
+                "tau": 1.5,
+                **curve,
+                **ctx,
+                "date": date,
+            }
+        ]
+
     evals = {"e1.json": ev("markov", "2026-11-29"), "e2.json": ev("rnn", "2026-11-30")}
     for name, data in {"b1.json": run1, "b2.json": run2, **evals}.items():
         (tmp_path / name).write_text(json.dumps(data))
     readme = tmp_path / "results.md"
     readme.write_text("# x\n")
-    main(["results", "--out", str(readme), "--readme", "none", "--plots", str(tmp_path / "plots"),
-          "--eval", str(tmp_path / "e1.json"), str(tmp_path / "e2.json"),
-          "--bench", str(tmp_path / "b1.json"), str(tmp_path / "b2.json")])  # fmt: skip
+    main(
+        [
+            "results",
+            "--out",
+            str(readme),
+            "--readme",
+            "none",
+            "--plots",
+            str(tmp_path / "plots"),
+            "--eval",
+            str(tmp_path / "e1.json"),
+            str(tmp_path / "e2.json"),
+            "--bench",
+            str(tmp_path / "b1.json"),
+            str(tmp_path / "b2.json"),
+        ]
+    )
     text = readme.read_text()
     assert "| dataset | method | tok/s (median) | speedup vs plain | τ | = plain | run |" in text
     assert "| gsm8k | a | 22.0 | 1.10× | - | 30/30 | 1 |" in text

@@ -5,12 +5,12 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_target
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dspark
 from hf_dspark import DSparkDraftModel, costs, drafting, generation
+from hf_dspark.testing import tiny_target
 
 
 def _prompt(seed=0, length=9, vocab=96):
@@ -298,7 +298,7 @@ def test_rounds_that_do_not_draft_queue_their_context_for_the_next_drafted_block
     assert drafted[:4] == [0, 2, 5, 10]  # back-off 1, 2, 4 plain rounds between drafted ones
     expected = [ids.shape[1]] + [
         sum(stats.accepted[j] + 1 for j in range(a, b)) for a, b in itertools.pairwise(drafted)
-    ]  # fmt: skip
+    ]
     assert projected == expected
 
 

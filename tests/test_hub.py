@@ -6,32 +6,49 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import tiny_target
 from hub_server import start_hub
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.cards import render_card
+from hf_dspark.testing import tiny_target
 
 
 def test_push_and_pull_round_trip(tmp_path):
     server, state, url = start_hub()
     try:
-        here = Path(__file__).parent
-        path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])  # keeps an older transformers first
-        env = {**os.environ, "HF_ENDPOINT": url, "HF_TOKEN": "hf_dummy", "HF_HUB_OFFLINE": "0",
-               "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": path, "HF_HUB_DISABLE_XET": "1"}  # fmt: skip
-        proc = subprocess.run([sys.executable, str(here / "hub_roundtrip.py"), str(tmp_path)], env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        script = Path(__file__).resolve().parents[1] / "scripts" / "testing" / "hub_roundtrip.py"
+        # the environment is kept whole: PYTHONPATH may put an older transformers first (scripts/test.sh)
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": url,
+            "HF_TOKEN": "hf_dummy",
+            "HF_HUB_OFFLINE": "0",
+            "HF_HOME": str(tmp_path / "hf-home"),
+            "HF_HUB_DISABLE_XET": "1",
+        }
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads((tmp_path / "result.json").read_text())
         assert result == {
-            "same_output": True, "same_output_2": True, "same_weights": True,
-            "custom_generate hf-dspark-test/tiny-draft": True, "custom_generate hf-dspark-test/tiny-draft-2": True,
-            "offline_from_cache_dir": True, "empty_cache_refused": True, "hub_stop_strings": True,
-        }  # fmt: skip
+            "same_output": True,
+            "same_output_2": True,
+            "same_weights": True,
+            "custom_generate hf-dspark-test/tiny-draft": True,
+            "custom_generate hf-dspark-test/tiny-draft-2": True,
+            "offline_from_cache_dir": True,
+            "empty_cache_refused": True,
+            "hub_stop_strings": True,
+        }
         files = state.repos["hf-dspark-test/tiny-draft"]
-        assert {"config.json", "model.safetensors", "README.md", "custom_generate/generate.py",
-                "custom_generate/requirements.txt"} <= set(files)  # fmt: skip
+        assert {
+            "config.json",
+            "model.safetensors",
+            "README.md",
+            "custom_generate/generate.py",
+            "custom_generate/requirements.txt",
+        } <= set(files)
         assert b"DRAFT_REPO = 'hf-dspark-test/tiny-draft'" in files["custom_generate/generate.py"]
         assert (
             b"DRAFT_REPO = 'hf-dspark-test/tiny-draft-2'"
@@ -51,11 +68,26 @@ def test_card_renders_config_and_results(tmp_path):
     draft.config.sts_temperatures = [1.5, 1.2, 1.1, 1.0]
     draft.set_draft_vocab([1, 5, 9])
     draft.save_pretrained(tmp_path)
-    (tmp_path / "eval.json").write_text(json.dumps([{
-        "dataset": "gsm8k", "temperature": 0.0, "prompts": 30, "tau": 3.21, "verify_rate": 0.5,
-        "tokens_per_s": 25.0, "position_acceptance": [0.8, 0.7, None, None], "date": "2026-11-29",
-        "machine": "x86_64 2 cores (Linux)", "threads": 2, "device": "cpu", "dtype": "bfloat16",
-    }]))  # fmt: skip
+    (tmp_path / "eval.json").write_text(
+        json.dumps(
+            [
+                {
+                    "dataset": "gsm8k",
+                    "temperature": 0.0,
+                    "prompts": 30,
+                    "tau": 3.21,
+                    "verify_rate": 0.5,
+                    "tokens_per_s": 25.0,
+                    "position_acceptance": [0.8, 0.7, None, None],
+                    "date": "2026-11-29",
+                    "machine": "x86_64 2 cores (Linux)",
+                    "threads": 2,
+                    "device": "cpu",
+                    "dtype": "bfloat16",
+                }
+            ]
+        )
+    )
     (tmp_path / "training.json").write_text(json.dumps({"data": "700 prompts", "steps": 1000}))
     (tmp_path / "calibration.json").write_text(json.dumps({"source": "decode", "blocks": 4000, "dtype": "bfloat16"}))
     card = render_card(tmp_path, name="org/draft", target="org/target")

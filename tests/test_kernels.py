@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import tiny_target
 from dspark_heads import lowrank_step, lowrank_step_reference
 from scipy.stats import chisquare
 
 from hf_dspark import DSparkDraftModel
+from hf_dspark.testing import tiny_target
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import tiny_target
 
 import hf_dspark.generation as generation
 from hf_dspark import DSparkDraftModel, dspark_generate
 from hf_dspark.drafting import LayerTap, target_features
+from hf_dspark.testing import tiny_target
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -3,13 +3,12 @@
 
 import pytest
 import torch
-from conftest import tiny_target
-from test_batched import PAD, PROMPTS, left_pad
-from test_sampling import CASES, _processors, chi_square_pvalue, exact_distribution, sample_counts
+from helpers import CASES, PAD, PROMPTS, chi_square_pvalue, exact_distribution, left_pad, processors, sample_counts
 
 from hf_dspark import DSparkConfig, DSparkDraftModel, verify
 from hf_dspark.lookup import lookup_continuation, one_hot_probs
 from hf_dspark.scheduler import SPSProfile
+from hf_dspark.testing import tiny_target
 
 
 def _lookup(history, max_ngram=2, min_ngram=1, max_tokens=8):
@@ -149,9 +148,14 @@ def test_batched_greedy_with_lookup_equals_per_row_plain_greedy_and_looks_up_onl
     assert len(refs[-1]) == 30 and max(len(r) for r in refs[:-1]) < 30
     ids, mask = left_pad(prompts)
     out = target.generate(
-        ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD, eos_token_id=eos,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        pad_token_id=PAD,
+        eos_token_id=eos,
         assistant_model=draft,
-    )  # fmt: skip
+    )
     for r, ref in enumerate(refs):
         assert new(out[r, ids.shape[1] :]) == ref, f"row {r}"
     flags = iter(draft.stats.looked_up)
@@ -173,7 +177,7 @@ def test_sampling_with_lookup_matches_target_distribution(small_vocab_target):
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
     draft.config.verify_mode = "fixed"
     draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
-    probs = exact_distribution(target, _processors(kw["temperature"], kw["top_k"], kw["top_p"]))
+    probs = exact_distribution(target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw, seed=7)
     assert chi_square_pvalue(counts, probs) > 1e-3
     assert 0 < draft.seen["looked_up_accepted"] < draft.seen["looked_up_proposed"]
@@ -198,7 +202,7 @@ def test_sampling_test_sees_a_lookup_accepted_without_the_ratio_test(small_vocab
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
     draft.config.verify_mode = "fixed"
     draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
-    probs = exact_distribution(target, _processors(kw["temperature"], kw["top_k"], kw["top_p"]))
+    probs = exact_distribution(target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw, n=600)
     assert chi_square_pvalue(counts, probs) < 1e-6
 
@@ -223,9 +227,8 @@ def test_bench_methods_set_their_own_lookup_fields_on_the_shared_draft():
 def test_eval_measures_the_draft_alone_unless_asked_for_lookup(tmp_path):
     import json
 
-    from conftest import char_tokenizer
-
     from hf_dspark.evaluation.evaluate import evaluate
+    from hf_dspark.testing import char_tokenizer
 
     target = tiny_target("llama", vocab_size=96, eos_token_id=1)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)

@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_target
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 
 from hf_dspark import DSparkConfig, DSparkDraftModel
 from hf_dspark.heads import soft_acceptance_label
+from hf_dspark.testing import tiny_target
 
 
 def test_from_target_wires_identity_and_shapes():

@@ -7,7 +7,6 @@ import weakref
 
 import pytest
 import torch
-from conftest import tiny_target
 
 import hf_dspark
 from hf_dspark import DSparkConfig, costs
@@ -21,6 +20,7 @@ from hf_dspark.scheduler import (
     plan_verify_lengths,
     plan_verify_width,
 )
+from hf_dspark.testing import tiny_target
 
 COUNTEREXAMPLE = SPSProfile.from_table({1: 1.0, 2: 0.5, 3: 0.45})
 
@@ -174,9 +174,7 @@ def test_column_plan_matches_the_whole_block_plans():
         threshold = rng.choice([0.0, 0.3, 0.5, 0.8])
         plan = ColumnPlan(caps, threshold=threshold)
         _fed(plan, conf)
-        expected = [
-            next((j for j in range(cap) if conf[r, j] < threshold), cap) for r, cap in enumerate(caps)
-        ]  # fmt: skip
+        expected = [next((j for j in range(cap) if conf[r, j] < threshold), cap) for r, cap in enumerate(caps)]
         assert plan.lengths == expected
         assert choose_lengths("threshold", conf, caps, [], sps, threshold) == expected
 
@@ -335,8 +333,11 @@ def test_measure_on_batch_shapes(tmp_path, monkeypatch):
         SPSProfile.measure(target, grid=[2, 3], context=8, reps=1, cache_dir=None, rows=2)
 
     calls = []
-    monkeypatch.setattr(scheduler.SPSProfile, "measure",
-                        classmethod(lambda cls, t, grid, rows: calls.append((rows, grid)) or cls.from_callable(lambda B: 1.0)))  # noqa: E501  # fmt: skip
+    monkeypatch.setattr(
+        scheduler.SPSProfile,
+        "measure",
+        classmethod(lambda cls, t, grid, rows: calls.append((rows, grid)) or cls.from_callable(lambda B: 1.0)),
+    )
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     for rows in (4, 4, 1):
         costs.sps_profile(draft, target, rows)

@@ -3,7 +3,6 @@ sliding-window targets, rolled back exactly (tested past the window)."""
 
 import pytest
 import torch
-from conftest import tiny_target
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -15,10 +14,21 @@ from transformers import (
 )
 
 from hf_dspark import DSparkDraftModel, dspark_generate
+from hf_dspark.testing import tiny_target
 
-SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=None,
-             eos_token_id=None)  # fmt: skip
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
 def _draft(target):
@@ -30,8 +40,9 @@ def _call_directly(target, draft, **model_kwargs):
     """dspark_generate as generate would call it, with model kwargs transformers itself would not have checked."""
     ids = torch.tensor([[5, 6, 7, 8]])
     config = GenerationConfig(max_length=12, do_sample=False, pad_token_id=0)
-    return dspark_generate(target, ids, LogitsProcessorList(), StoppingCriteriaList(), config, draft=draft,
-                           **model_kwargs)  # fmt: skip
+    return dspark_generate(
+        target, ids, LogitsProcessorList(), StoppingCriteriaList(), config, draft=draft, **model_kwargs
+    )
 
 
 def test_model_inputs_the_loop_cannot_honour_are_refused_by_name():
@@ -40,17 +51,33 @@ def test_model_inputs_the_loop_cannot_honour_are_refused_by_name():
     target = tiny_target("llama")
     draft = _draft(target)
     with pytest.raises(ValueError, match=r"cannot honour \['pixel_values', 'token_type_ids'\]"):
-        _call_directly(target, draft, cache=DynamicCache(), token_type_ids=torch.zeros(1, 4, dtype=torch.long),
-                       pixel_values=torch.zeros(1, 3, 8, 8))  # fmt: skip
+        _call_directly(
+            target,
+            draft,
+            cache=DynamicCache(),
+            token_type_ids=torch.zeros(1, 4, dtype=torch.long),
+            pixel_values=torch.zeros(1, 3, 8, 8),
+        )
     with pytest.raises(ValueError, match="needs use_cache=True"):
         _call_directly(target, draft, use_cache=False)
     with pytest.raises(ValueError, match="needs use_cache=True"):
         _call_directly(target, draft)  # no cache at all
     with pytest.raises(ValueError, match="counts positions from the attention mask"):
-        target.generate(torch.tensor([[5, 6, 7, 8]]), position_ids=torch.tensor([[0, 2, 4, 6]]), max_new_tokens=4,
-                        custom_generate=dspark_generate, draft=draft)  # fmt: skip
-    out = target.generate(torch.tensor([[5, 6, 7, 8]]), position_ids=torch.tensor([[0, 1, 2, 3]]), max_new_tokens=4,
-                          custom_generate=dspark_generate, draft=draft, do_sample=False)  # fmt: skip
+        target.generate(
+            torch.tensor([[5, 6, 7, 8]]),
+            position_ids=torch.tensor([[0, 2, 4, 6]]),
+            max_new_tokens=4,
+            custom_generate=dspark_generate,
+            draft=draft,
+        )
+    out = target.generate(
+        torch.tensor([[5, 6, 7, 8]]),
+        position_ids=torch.tensor([[0, 1, 2, 3]]),
+        max_new_tokens=4,
+        custom_generate=dspark_generate,
+        draft=draft,
+        do_sample=False,
+    )
     assert out.tolist() == target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, do_sample=False).tolist()
 
 
@@ -58,8 +85,13 @@ def test_a_cache_that_cannot_be_cropped_is_refused():
     target = tiny_target("llama")
     draft = _draft(target)
     with pytest.raises(ValueError, match=r"needs a DynamicCache.*got StaticCache"):
-        target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, cache_implementation="static",
-                        custom_generate=dspark_generate, draft=draft)  # fmt: skip
+        target.generate(
+            torch.tensor([[5, 6, 7, 8]]),
+            max_new_tokens=6,
+            cache_implementation="static",
+            custom_generate=dspark_generate,
+            draft=draft,
+        )
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "mistral"])
@@ -82,10 +114,21 @@ def test_sliding_window_target_decodes_exactly_past_its_window(arch):
         assert sum(draft.stats.accepted) > 0 or sum(draft.stats.proposed) > 0
     batch = torch.randint(3, 96, (2, 5), generator=g)
     with pytest.raises(ValueError, match="sliding window of 8 tokens: a batch of 2 rows"):
-        target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=30,
-                        custom_generate=dspark_generate, draft=draft)  # fmt: skip
-    inside = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=3, do_sample=False,
-                             custom_generate=dspark_generate, draft=draft)  # fmt: skip
+        target.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=30,
+            custom_generate=dspark_generate,
+            draft=draft,
+        )
+    inside = target.generate(
+        batch,
+        attention_mask=torch.ones_like(batch),
+        max_new_tokens=3,
+        do_sample=False,
+        custom_generate=dspark_generate,
+        draft=draft,
+    )
     ref = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=3, do_sample=False)
     assert inside.tolist() == ref.tolist()
 
@@ -104,8 +147,7 @@ def test_non_finite_target_logits_are_named():
 
     target.forward = nan_after_prefill
     with pytest.raises(ValueError, match=r"non-finite logits \(NaN/inf\), which plain generate would return too"):
-        target.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=8, custom_generate=dspark_generate,
-                        draft=draft)  # fmt: skip
+        target.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=8, custom_generate=dspark_generate, draft=draft)
 
 
 def test_gemma2_in_float64_over_left_padding():
@@ -133,8 +175,9 @@ def test_from_pretrained_honours_subfolder(tmp_path):
     draft = _draft(target)
     draft.save_pretrained(tmp_path / "drafts" / "v1")
     loaded = DSparkDraftModel.from_pretrained(tmp_path / "drafts", subfolder="v1")
-    assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), loaded.state_dict().values(),
-                                                   strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a, b) for a, b in zip(draft.state_dict().values(), loaded.state_dict().values(), strict=True)
+    )
 
 
 def test_from_pretrained_passes_download_options_to_the_layout_probe(monkeypatch, tmp_path):
@@ -151,7 +194,18 @@ def test_from_pretrained_passes_download_options_to_the_layout_probe(monkeypatch
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     from hf_dspark.modeling_dspark import DSparkDraftModel as Model
 
-    assert Model._foreign_layout("org/draft", {"revision": "v2", "token": "t", "cache_dir": "c", "subfolder": "sub",
-                                              "local_files_only": True}) is None  # fmt: skip
-    assert seen == {"repo_id": "org/draft", "revision": "v2", "token": "t", "cache_dir": "c",
-                    "local_files_only": True, "allow_patterns": ["sub/*.json", "sub/*.safetensors"]}  # fmt: skip
+    assert (
+        Model._foreign_layout(
+            "org/draft",
+            {"revision": "v2", "token": "t", "cache_dir": "c", "subfolder": "sub", "local_files_only": True},
+        )
+        is None
+    )
+    assert seen == {
+        "repo_id": "org/draft",
+        "revision": "v2",
+        "token": "t",
+        "cache_dir": "c",
+        "local_files_only": True,
+        "allow_patterns": ["sub/*.json", "sub/*.safetensors"],
+    }

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import char_tokenizer, tiny_rows, tiny_target
 
 from hf_dspark import DSparkDraftModel
+from hf_dspark.testing import char_tokenizer, tiny_rows, tiny_target
 from hf_dspark.training.data import frequent_tokens, load_dataset, read_prompts
 from hf_dspark.training.features import FeatureCache, target_outputs
 from hf_dspark.training.losses import DSparkTrainingModule, block_attention_mask, block_predictions
@@ -228,7 +228,7 @@ def test_two_process_training_keeps_ranks_identical(tmp_path):
     import sys
     from pathlib import Path
 
-    here = Path(__file__).parent
+    script = Path(__file__).resolve().parents[1] / "scripts" / "testing" / "mp_train.py"
     cmd = [
         sys.executable,
         "-m",
@@ -244,10 +244,10 @@ def test_two_process_training_keeps_ranks_identical(tmp_path):
         "no",
         "--main_process_port",
         "29518",
-        str(here / "mp_train.py"),
+        str(script),
         str(tmp_path),
     ]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(here), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -267,8 +267,21 @@ def test_cli_train_then_calibrate(setup, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match="--draft-vocab needs the target's tokenizer"):
-        main(["train", "--target", str(tmp_path / "target"), "--data", str(data), "--out", str(out),
-              "--draft-vocab", "30", "--steps", "1"])  # fmt: skip
+        main(
+            [
+                "train",
+                "--target",
+                str(tmp_path / "target"),
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--draft-vocab",
+                "30",
+                "--steps",
+                "1",
+            ]
+        )
     char_tokenizer().save_pretrained(tmp_path / "target")
     main(
         [
@@ -319,8 +332,23 @@ def test_cli_train_then_calibrate(setup, tmp_path):
     assert report["blocks"] == 40 and len(report["after"]["ece"]) == 4
     assert (out / "final" / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # decode calibration changes the temperatures and nothing else in the config
-    main(["calibrate", "--target", str(tmp_path / "target"), "--draft", str(out / "final"), "--data", str(data),
-          "--blocks", "30", "--source", "decode", "--max-new-tokens", "24"])  # fmt: skip
+    main(
+        [
+            "calibrate",
+            "--target",
+            str(tmp_path / "target"),
+            "--draft",
+            str(out / "final"),
+            "--data",
+            str(data),
+            "--blocks",
+            "30",
+            "--source",
+            "decode",
+            "--max-new-tokens",
+            "24",
+        ]
+    )
     decoded = json.loads((out / "final" / "config.json").read_text())
     assert {k: v for k, v in decoded.items() if k != "sts_temperatures"} == {
         k: v for k, v in cfg.items() if k != "sts_temperatures"
@@ -411,8 +439,21 @@ def test_cli_calibrate_from_prompt_files(setup, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"question {i}: what is {i} + {i}?"]}) + "\n" for i in range(5)))
     base = ["calibrate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
-    main([*base, "--prompts", str(prompts), "--limit", "3", "--source", "decode", "--max-new-tokens", "20",
-          "--blocks", "15"])  # fmt: skip
+    main(
+        [
+            *base,
+            "--prompts",
+            str(prompts),
+            "--limit",
+            "3",
+            "--source",
+            "decode",
+            "--max-new-tokens",
+            "20",
+            "--blocks",
+            "15",
+        ]
+    )
     report = json.loads((tmp_path / "draft" / "calibration.json").read_text())
     assert report["source"] == "decode" and report["blocks"] == 15
     assert len(json.loads((tmp_path / "draft" / "config.json").read_text())["sts_temperatures"]) == 4

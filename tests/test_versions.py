@@ -31,8 +31,12 @@ def test_custom_generate_callables_get_declared_keywords_and_the_prepared_argume
     extract = inspect.getsource(GenerationMixin._extract_generation_mode_kwargs)
     assert "inspect.signature(custom_generate)" in extract, f"{RELEASE}: declared keywords no longer passed"
     assert _params(GenerationMixin._sample)[:5] == [
-        "self", "input_ids", "logits_processor", "stopping_criteria", "generation_config",
-    ], RELEASE  # fmt: skip
+        "self",
+        "input_ids",
+        "logits_processor",
+        "stopping_criteria",
+        "generation_config",
+    ], RELEASE
     # the streamer is read from generate's frame (dspark_generate._callers_streamer)
     assert {"self", "streamer"} <= set(_params(GenerationMixin.generate)), RELEASE
 
@@ -40,11 +44,18 @@ def test_custom_generate_callables_get_declared_keywords_and_the_prepared_argume
 def test_the_assistant_model_hook_wraps_methods_that_still_exist_with_their_signatures():
     """`import hf_dspark` wraps these two; if a release renames or reshapes them, assistant_model=draft breaks."""
     assert _params(GenerationMixin._validate_generation_mode) == [
-        "self", "generation_mode", "generation_config", "generation_mode_kwargs",
-    ], RELEASE  # fmt: skip
+        "self",
+        "generation_mode",
+        "generation_config",
+        "generation_mode_kwargs",
+    ], RELEASE
     assert _params(GenerationMixin._assisted_decoding)[:5] == [
-        "self", "input_ids", "logits_processor", "stopping_criteria", "generation_config",
-    ], RELEASE  # fmt: skip
+        "self",
+        "input_ids",
+        "logits_processor",
+        "stopping_criteria",
+        "generation_config",
+    ], RELEASE
 
 
 def test_cache_names_agree_with_this_release():

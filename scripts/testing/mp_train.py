@@ -5,9 +5,9 @@ import sys
 
 import torch
 from accelerate import Accelerator
-from conftest import tiny_rows, tiny_target
 
 from hf_dspark import DSparkDraftModel
+from hf_dspark.testing import tiny_rows, tiny_target
 from hf_dspark.training.trainer import TrainConfig, train
 
 out = sys.argv[1]

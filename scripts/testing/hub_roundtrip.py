@@ -6,10 +6,10 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import tiny_target
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.cli import main
+from hf_dspark.testing import char_tokenizer, tiny_target
 
 work = Path(sys.argv[1])
 target = tiny_target("llama")
@@ -48,13 +48,19 @@ except OSError:
     result["empty_cache_refused"] = True
 (work / "result.json").write_text(json.dumps(result))
 # stop strings through the Hub route: its generate.py turns them into a criterion (callables get no tokenizer)
-from conftest import char_tokenizer  # noqa: E402
 
 tokenizer = char_tokenizer()
 prompt = tokenizer("hello there", return_tensors="pt")["input_ids"]
 stop = tokenizer.decode(target.generate(prompt, max_new_tokens=30, do_sample=False)[0, prompt.shape[1] :])[10:12]
 plain = target.generate(prompt, max_new_tokens=30, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
-hub = target.generate(prompt, max_new_tokens=30, do_sample=False, stop_strings=[stop], tokenizer=tokenizer,
-                      custom_generate="hf-dspark-test/tiny-draft", trust_remote_code=True)  # fmt: skip
+hub = target.generate(
+    prompt,
+    max_new_tokens=30,
+    do_sample=False,
+    stop_strings=[stop],
+    tokenizer=tokenizer,
+    custom_generate="hf-dspark-test/tiny-draft",
+    trust_remote_code=True,
+)
 result["hub_stop_strings"] = hub.tolist() == plain.tolist() and plain.shape[1] < prompt.shape[1] + 30
 (work / "result.json").write_text(json.dumps(result))
