@@ -162,12 +162,16 @@ def cmd_bench(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from .compat import export_deepspec
+    from .compat import export_deepspec, export_speculators
     from .modeling_dspark import DSparkDraftModel
 
     target, _ = load_target(args.target, args.dtype, with_tokenizer=False)
     draft = DSparkDraftModel.from_pretrained(args.draft, dtype=target.dtype).attach(target)
-    print(f"wrote {export_deepspec(draft, args.out)} (DeepSpec layout)")
+    if args.format == "speculators":
+        verifier = args.verifier or (None if args.target == "embedded" else args.target)
+        print(f"wrote {export_speculators(draft, args.out, verifier=verifier)} (speculators layout: vLLM)")
+    else:
+        print(f"wrote {export_deepspec(draft, args.out)} (DeepSpec layout)")
 
 
 def cmd_card(args) -> None:
@@ -296,10 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("export", help="write a draft in another implementation's layout (DeepSpec)")
+    p = sub.add_parser("export", help="write a draft in another implementation's layout (DeepSpec, speculators)")
     common(p)
     p.add_argument("--draft", required=True)
-    p.add_argument("--format", default="deepspec", choices=["deepspec"])
+    p.add_argument("--format", default="deepspec", choices=["deepspec", "speculators"])
+    p.add_argument("--verifier", default=None, help="speculators: the target's Hub id or path, recorded for vLLM")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_export)
 

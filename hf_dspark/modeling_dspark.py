@@ -18,7 +18,14 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .compat import is_deepspec_config, is_dflash_config, load_deepspec, load_dflash
+from .compat import (
+    is_deepspec_config,
+    is_dflash_config,
+    is_speculators_config,
+    load_deepspec,
+    load_dflash,
+    load_speculators,
+)
 from .configuration_dspark import DSparkConfig
 from .heads import ConfidenceHead, build_sequential_head
 
@@ -484,6 +491,8 @@ class DSparkDraftModel(PreTrainedModel):
         raw = json.loads(config_file.read_text())
         if raw.get("model_type") == "dspark":
             return None
+        if is_speculators_config(raw):
+            return load_speculators(cls, folder, raw, dtype=kwargs.get("dtype"))
         if is_deepspec_config(raw):
             return load_deepspec(cls, folder, raw, dtype=kwargs.get("dtype"))
         if is_dflash_config(raw):
@@ -491,7 +500,7 @@ class DSparkDraftModel(PreTrainedModel):
         raise ValueError(
             f"{name_or_path}: unknown checkpoint layout (model_type={raw.get('model_type')!r}, "
             f"architectures={raw.get('architectures')}); expected a DSpark draft (model_type 'dspark'), "
-            "DeepSpec's Qwen3DSparkModel layout or z-lab's DFlashDraftModel layout"
+            "DeepSpec's Qwen3DSparkModel layout, z-lab's DFlashDraftModel layout or a speculators DSpark/DFlash draft"
         )
 
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -2,5 +2,15 @@
 
 from .deepspec import export_deepspec, is_deepspec_config, load_deepspec
 from .dflash import is_dflash_config, load_dflash
+from .speculators import export_speculators, is_speculators_config, load_speculators
 
-__all__ = ["export_deepspec", "is_deepspec_config", "is_dflash_config", "load_deepspec", "load_dflash"]
+__all__ = [
+    "export_deepspec",
+    "export_speculators",
+    "is_deepspec_config",
+    "is_dflash_config",
+    "is_speculators_config",
+    "load_deepspec",
+    "load_dflash",
+    "load_speculators",
+]

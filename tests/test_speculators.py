@@ -1,0 +1,123 @@
+"""The speculators layout (what vLLM serves), checked against the installed speculators 0.9.0 package itself.
+
+speculators pins transformers <= 5.19, so it is not installed into the project's environment: scripts/setup.sh puts
+it in .venv/speculators-0.9.0 with the modules importing its model classes needs, and the comparison runs in a
+subprocess with that folder on its path (scripts/testing/speculators_check.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_dspark import DSparkDraftModel
+from hf_dspark.compat import export_speculators
+from hf_dspark.testing import tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECULATORS = Path(os.environ.get("HF_DSPARK_SPECULATORS", ROOT / ".venv" / "speculators-0.9.0"))
+
+
+def test_export_and_import_match_speculators_own_classes(tmp_path):
+    """Our export loads into speculators' DSpark/DFlash classes with no missing, unexpected or mis-shaped tensor,
+    and a checkpoint speculators itself writes loads into hf-dspark; in both directions the two compute the same
+    block logits, Markov bias and confidences on the same target hidden states (Llama-style target with a gated
+    head and a draft vocabulary, Qwen3 with an RNN head, a Markov head whose confidence skips its feature, DFlash)."""
+    assert (SPECULATORS / "speculators-0.9.0.dist-info").is_dir(), f"run scripts/setup.sh: no {SPECULATORS}"
+    env = {**os.environ, "PYTHONPATH": str(SPECULATORS), "HF_HUB_OFFLINE": "1"}
+    script = ROOT / "scripts" / "testing" / "speculators_check.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    cases = ["llama-gated-vocab", "qwen3-rnn", "qwen3-markov-no-head-feature", "dflash"]
+    assert sorted(result) == sorted(f"{c}: {way}" for c in cases for way in ("ours -> theirs", "theirs -> ours"))
+    for name, entry in result.items():
+        if "ours -> theirs" in name:
+            assert entry["loading"] == {}, (name, entry["loading"])  # nothing missing, unexpected or mis-shaped
+            assert entry["class"] == ("DFlashDraftModel" if name.startswith("dflash") else "DSparkDraftModel")
+        present = {part for part, diff in entry["diff"].items() if diff is not None}
+        assert present == ({"logits"} if name.startswith("dflash") else {"logits", "bias", "confidence"}), name
+        assert all(diff < 1e-5 for diff in entry["diff"].values() if diff is not None), (name, entry["diff"])
+
+
+@pytest.mark.parametrize("head", ["gated", "rnn"])
+def test_exported_draft_decodes_identically_after_loading_back(tmp_path, head):
+    """Export → from_pretrained gives the same greedy tokens and the same per-round acceptance, with the draft
+    vocabulary, the STS temperatures and the verify settings carried over."""
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(
+        target, block_size=4, head_rank=8, head_type=head, qk_norm=True, mask_token_id=7
+    ).double()
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.3)
+    draft.set_draft_vocab(list(range(3, 96, 2)))
+    draft.config.sts_temperatures = [1.0, 1.5, 2.0, 2.5]
+    draft.config.verify_mode = "scheduled"
+    draft.config.lookup_max_ngram = 3
+    export_speculators(draft, tmp_path / "spec", verifier="org/target")
+    raw = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert (
+        raw["speculators_model_type"] == "dspark"
+        and raw["speculators_config"]["verifier"]["name_or_path"] == "org/target"
+    )
+    assert raw["transformer_layer_config"]["model_type"] == "llama" and raw["draft_vocab_size"] == 47
+    back = DSparkDraftModel.from_pretrained(tmp_path / "spec")
+    assert back.config.sts_temperatures == [1.0, 1.5, 2.0, 2.5] and back.config.verify_mode == "scheduled"
+    assert torch.equal(back.draft_vocab, draft.draft_vocab) and back.dtype == torch.float64
+    draft.config.verify_mode = back.config.verify_mode = "fixed"  # a plan that needs no timing: runs comparable
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    runs = []
+    for d in (draft, back):
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=d)
+        runs.append((out.tolist(), d.stats.proposed, d.stats.accepted, d.stats.confidences))
+    assert runs[0] == runs[1]  # tokens, verify lengths, acceptance and confidences, round by round
+    assert runs[0][0] == target.generate(ids, max_new_tokens=30, do_sample=False).tolist()
+    assert sum(runs[0][2]) > 0  # the draft's proposals were accepted, so its weights mattered
+
+
+def test_what_the_layout_cannot_hold_is_refused_with_the_remedy():
+    """The shipped SmolLM2 draft (Llama-style, learned mask vector) cannot be expressed: the error names both
+    remedies; a draft narrower than its target is refused too."""
+    from hf_dspark.embedded import DRAFT_DIR
+
+    shipped = DSparkDraftModel.from_pretrained(DRAFT_DIR)
+    with pytest.raises(ValueError, match=r"qk_norm=True.*mask_token_id=<a spare token id>"):
+        export_speculators(shipped, "/nonexistent/never-written")
+    target = tiny_target("qwen3")
+    narrow = DSparkDraftModel.from_target(target, block_size=4, hidden_size=16, qk_norm=True, mask_token_id=7)
+    with pytest.raises(ValueError, match=r"as wide as its target \(16 vs 32\)"):
+        export_speculators(narrow, "/nonexistent/never-written")
+
+
+def test_cli_exports_the_speculators_layout(tmp_path):
+    from hf_dspark.cli import main
+
+    target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8, qk_norm=True, mask_token_id=7)
+    draft.save_pretrained(tmp_path / "draft")
+    main(
+        [
+            "export",
+            "--format",
+            "speculators",
+            "--draft",
+            str(tmp_path / "draft"),
+            "--target",
+            str(tmp_path / "target"),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "target")
+    assert raw["aux_hidden_state_layer_ids"] == draft.config.target_layer_ids and raw["mask_token_id"] == 7
+    back = DSparkDraftModel.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), draft.state_dict().values(), strict=True))
