@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from smollm2_prepare import ANSWERS, recipe_prompts
-from smollm2_train import STATE, build_draft, is_held_out
+from smollm2_train import MASK_TOKEN, STATE, build_draft, is_held_out
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.cards import write_card
@@ -36,8 +36,9 @@ from hf_dspark.training.data import encode_prompt, frequent_tokens, load_dataset
 from hf_dspark.training.trainer import saved_vocab
 
 
-def load_run(target, run: Path, head: str, checkpoint: int | None) -> tuple[DSparkDraftModel, int]:
-    """The run's draft (float32) and the step it was taken at."""
+def load_run(target, tokenizer, run: Path, head: str, checkpoint: int | None) -> tuple[DSparkDraftModel, int]:
+    """The run's draft (float32) and the step it was taken at; a checkpoint's layout (speculators-exportable or
+    ours) is read from its tensors."""
     final = run / "final"
     if checkpoint is None and final.is_dir():
         steps = json.loads((final / "train_config.json").read_text())["steps"]
@@ -47,8 +48,9 @@ def load_run(target, run: Path, head: str, checkpoint: int | None) -> tuple[DSpa
         ckpts = [c for c in ckpts if c.name == f"checkpoint-{checkpoint}"]
     if not ckpts:
         raise SystemExit(f"no final draft or matching checkpoint in {run}")
-    draft = build_draft(target, head)
     state = {k.removeprefix("draft."): v for k, v in load_file(ckpts[-1] / "model.safetensors").items()}
+    exportable = any(k.endswith("q_norm.weight") for k in state)
+    draft = build_draft(target, head, tokenizer.convert_tokens_to_ids(MASK_TOKEN) if exportable else None)
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not k.startswith("target")]:
         raise SystemExit(f"checkpoint does not match the recipe: missing {missing}, unexpected {unexpected}")
@@ -94,7 +96,7 @@ def main() -> None:
         return
     run = STATE / args.run
     target, tokenizer = load_target()
-    draft, step = load_run(target, run, args.head, args.checkpoint)
+    draft, step = load_run(target, tokenizer, run, args.head, args.checkpoint)
     rows = load_dataset(ANSWERS)
     held_out = [r for r in rows if is_held_out(r)]
     train_rows = [r for r in rows if not is_held_out(r)]

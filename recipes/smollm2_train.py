@@ -8,6 +8,11 @@ layers, γ = 8, Markov rank 64, 48 anchors per sequence, a CE-heavy loss (1.0 CE
 CPU budget it learns faster than the paper's 0.1/0.9/1.0), lr 3e-3 with warmup and cosine decay, and training
 over the draft vocabulary the draft ships with (the 8,192 most frequent answer tokens + special tokens, fixed at the
 run's first start in <run>/draft_vocab.json; ~2.7x faster per step than the whole 49,152-token vocabulary).
+Layout (``--layout``): ``speculators`` (the default) builds the draft vLLM's format can hold — per-head q/k norms and
+mask slots that embed a spare SmolLM2 token (``<empty_output>``, which no regenerated answer contains) — so
+``hf-dspark export --format speculators`` works on what this recipe ships; ``ours`` is the layout of the draft
+shipped before (no q/k norms, a learned mask vector), kept to reproduce it. Runs of the two layouts get different
+default folders, since a checkpoint of one cannot resume the other.
 """
 
 import argparse
@@ -31,12 +36,26 @@ def is_held_out(row: dict) -> bool:
     return zlib.crc32(row["id"].encode()) % 50 == 0
 
 
-def build_draft(target, head: str) -> DSparkDraftModel:
-    """The recipe's draft: 2 layers initialised from the target's top layers, γ = 8, rank-64 head."""
+MASK_TOKEN = "<empty_output>"  # a SmolLM2 special token that neither prompts nor regenerated answers contain
+
+
+def build_draft(target, head: str, mask_token_id: int | None = None) -> DSparkDraftModel:
+    """The recipe's draft: 2 layers initialised from the target's top layers, γ = 8, rank-64 head; with a
+    ``mask_token_id``, the speculators-exportable layout (q/k norms, mask slots embedding that token)."""
     torch.manual_seed(0)
+    layout = {} if mask_token_id is None else {"qk_norm": True, "mask_token_id": mask_token_id}
     return DSparkDraftModel.from_target(
-        target, block_size=8, num_draft_layers=2, head_type=head, head_rank=64, copy_target_layers=True
+        target, block_size=8, num_draft_layers=2, head_type=head, head_rank=64, copy_target_layers=True, **layout
     )
+
+
+def spare_token(tokenizer, rows: list[dict]) -> int:
+    """The id of ``MASK_TOKEN``, checked to occur in no training row (a mask slot must not look like text)."""
+    token = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    used = [r["id"] for r in rows if token in r["prompt_ids"] or token in r["response_ids"]]
+    if used:
+        raise ValueError(f"{MASK_TOKEN} ({token}) occurs in training rows {used[:5]}: pick another spare token")
+    return token
 
 
 def main() -> None:
@@ -45,7 +64,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data", type=Path, default=ANSWERS, help="regenerated answers (a file or shard folder)")
-    ap.add_argument("--run", default=None, help="run folder name under the state dir (default run-<head>)")
+    ap.add_argument("--run", default=None, help="run folder under the state dir (default run-<head>[-speculators])")
+    ap.add_argument(
+        "--layout",
+        default="speculators",
+        choices=["speculators", "ours"],
+        help="speculators: exportable to vLLM's format (q/k norms, a mask token); ours: as shipped before",
+    )
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
                     help="bf16 autocast (master weights stay float32)")  # fmt: skip
     ap.add_argument("--draft-vocab", type=int, default=8192,
@@ -53,9 +78,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [r for r in load_dataset(args.data) if not is_held_out(r)]
-    out = STATE / (args.run or f"run-{args.head}")
+    out = STATE / (args.run or f"run-{args.head}" + ("-speculators" if args.layout == "speculators" else ""))
     target, tokenizer = load_target()
-    draft = build_draft(target, args.head)
+    draft = build_draft(target, args.head, spare_token(tokenizer, rows) if args.layout == "speculators" else None)
     cfg = TrainConfig(
         steps=args.steps,
         lr=3e-3,

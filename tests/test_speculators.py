@@ -121,3 +121,32 @@ def test_cli_exports_the_speculators_layout(tmp_path):
     assert raw["aux_hidden_state_layer_ids"] == draft.config.target_layer_ids and raw["mask_token_id"] == 7
     back = DSparkDraftModel.from_pretrained(tmp_path / "out")
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), draft.state_dict().values(), strict=True))
+
+
+def test_the_recipe_trains_drafts_that_export(smollm2, tmp_path):
+    """recipes/smollm2_train.py builds the SmolLM2 draft in the exportable layout by default (q/k norms, mask slots
+    embedding the spare <empty_output> token): it exports, and loads back decoding identically."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        from smollm2_train import build_draft, spare_token
+    finally:
+        sys.path.remove(str(ROOT / "recipes"))
+    target, tokenizer = smollm2
+    rows = [{"id": "a", "prompt_ids": [1, 9, 30], "response_ids": [40, 50, 2]}]
+    token = spare_token(tokenizer, rows)
+    assert tokenizer.convert_ids_to_tokens(token) == "<empty_output>"
+    with pytest.raises(ValueError, match="occurs in training rows \\['b'\\]"):
+        spare_token(tokenizer, [*rows, {"id": "b", "prompt_ids": [token], "response_ids": []}])
+    draft = build_draft(target, "markov", token)
+    assert draft.config.qk_norm and draft.config.mask_token_id == token
+    export_speculators(draft, tmp_path / "spec", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    raw = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert raw["transformer_layer_config"]["model_type"] == "llama" and raw["mask_token_id"] == token
+    back = DSparkDraftModel.from_pretrained(tmp_path / "spec")
+    ids = tokenizer("def fib(n):", return_tensors="pt")["input_ids"]
+    outs = []
+    for d in (draft, back):
+        d.config.verify_mode = "fixed"
+        out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=d)
+        outs.append((out.tolist(), d.stats.proposed, d.stats.accepted))
+    assert outs[0] == outs[1]
