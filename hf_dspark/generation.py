@@ -75,7 +75,7 @@ class DecodeSettings:
             raise ValueError(f"verify_mode={mode!r} needs a confidence head (the draft has confidence_head=False)")
         limit = values["verify_limit"]
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"verify_limit must be an int >= 0 (or None: γ), got {limit!r}")
+            raise ValueError(f"verify_limit must be an int >= 0 (or None: the draft's num_draft_tokens), got {limit!r}")
         if not 0 <= values["confidence_threshold"] <= 1:
             raise ValueError(f"confidence_threshold must lie in [0, 1], got {values['confidence_threshold']!r}")
         if values["verify_layout"] not in VERIFY_LAYOUTS:
