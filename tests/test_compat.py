@@ -16,6 +16,21 @@ D, H, KV, HD, FF, V, R, GAMMA, LAYERS, MASK = 32, 4, 2, 8, 64, 96, 8, 4, 2, 95
 TARGET_LAYERS = [0, 2]
 
 
+# the draft decoder's Qwen3 config, as both DeepSpec and z-lab save it (the target's width and vocabulary)
+QWEN3_DRAFT = {
+    "model_type": "qwen3",
+    "hidden_size": D,
+    "intermediate_size": FF,
+    "num_attention_heads": H,
+    "num_key_value_heads": KV,
+    "head_dim": HD,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "vocab_size": V,
+    "num_hidden_layers": LAYERS,
+}
+
+
 def deepspec_checkpoint(folder, head="vanilla", seed=0):
     """A random checkpoint written the way DeepSpec saves Qwen3DSparkModel (names and config fields)."""
     g = torch.Generator().manual_seed(seed)
@@ -43,16 +58,7 @@ def deepspec_checkpoint(folder, head="vanilla", seed=0):
     sd |= {"embed_tokens.weight": rnd(V, D), "lm_head.weight": rnd(V, D)}
     config = {
         "architectures": ["Qwen3DSparkModel"],
-        "model_type": "qwen3",
-        "hidden_size": D,
-        "intermediate_size": FF,
-        "num_attention_heads": H,
-        "num_key_value_heads": KV,
-        "head_dim": HD,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "vocab_size": V,
-        "num_hidden_layers": LAYERS,
+        **QWEN3_DRAFT,
         "num_target_layers": 4,
         "block_size": GAMMA,
         "mask_token_id": MASK,
@@ -230,16 +236,7 @@ def dflash_checkpoint(folder, seed=0, num_target_layers=4):
     sd = {k: v for k, v in sd.items() if not k.startswith(("markov_head", "confidence_head", "embed", "lm_head"))}
     config = {
         "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": D,
-        "intermediate_size": FF,
-        "num_attention_heads": H,
-        "num_key_value_heads": KV,
-        "head_dim": HD,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "vocab_size": V,
-        "num_hidden_layers": LAYERS,
+        **QWEN3_DRAFT,
         "num_target_layers": num_target_layers,
         "block_size": GAMMA,
         "layer_types": ["full_attention"] * LAYERS,

@@ -150,3 +150,17 @@ def test_the_recipe_trains_drafts_that_export(smollm2, tmp_path):
         out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=d)
         outs.append((out.tolist(), d.stats.proposed, d.stats.accepted))
     assert outs[0] == outs[1]
+
+
+def test_a_malformed_speculators_checkpoint_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_target("qwen3")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8, qk_norm=True, mask_token_id=7)
+    folder = export_speculators(draft, tmp_path / "spec")
+    weights = load_file(folder / "model.safetensors")
+    del weights["markov_head.markov_w1.weight"]
+    weights["fc.weight"] = weights["fc.weight"][:, :-1].contiguous()
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['sequential_head.markov_w1.weight'\].*fc.weight"):
+        DSparkDraftModel.from_pretrained(folder)

@@ -10,6 +10,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from hf_dspark.versions import CACHE_FIELD, OLDEST_SUPPORTED, cache_argument
 
 RELEASE = f"transformers {transformers.__version__}"
+# what generate passes every decoding method first (and so dspark_generate and the wrapped _assisted_decoding)
+DECODING_METHOD = ["self", "input_ids", "logits_processor", "stopping_criteria", "generation_config"]
 
 
 def _params(fn) -> list[str]:
@@ -30,13 +32,7 @@ def test_custom_generate_callables_get_declared_keywords_and_the_prepared_argume
     assert "isinstance(custom_generate, Callable)" in source, f"{RELEASE}: callables no longer accepted"
     extract = inspect.getsource(GenerationMixin._extract_generation_mode_kwargs)
     assert "inspect.signature(custom_generate)" in extract, f"{RELEASE}: declared keywords no longer passed"
-    assert _params(GenerationMixin._sample)[:5] == [
-        "self",
-        "input_ids",
-        "logits_processor",
-        "stopping_criteria",
-        "generation_config",
-    ], RELEASE
+    assert _params(GenerationMixin._sample)[:5] == DECODING_METHOD, RELEASE
     # the streamer is read from generate's frame (dspark_generate._callers_streamer)
     assert {"self", "streamer"} <= set(_params(GenerationMixin.generate)), RELEASE
 
@@ -49,13 +45,7 @@ def test_the_assistant_model_hook_wraps_methods_that_still_exist_with_their_sign
         "generation_config",
         "generation_mode_kwargs",
     ], RELEASE
-    assert _params(GenerationMixin._assisted_decoding)[:5] == [
-        "self",
-        "input_ids",
-        "logits_processor",
-        "stopping_criteria",
-        "generation_config",
-    ], RELEASE
+    assert _params(GenerationMixin._assisted_decoding)[:5] == DECODING_METHOD, RELEASE
 
 
 def test_cache_names_agree_with_this_release():

@@ -90,6 +90,21 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(single)
 
 
+def check_mapping(model, mapped: dict, folder: Path, layout: str) -> None:
+    """``ValueError`` naming every tensor of ``mapped`` (a foreign checkpoint renamed to our keys) that is missing
+    from, unexpected in, or shaped differently from ``model``'s state dict."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(mapped))
+    unexpected = sorted(set(mapped) - set(expected))
+    shapes = [f"{k} {tuple(mapped[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+              if k in mapped and mapped[k].shape != v.shape]  # fmt: skip
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"{layout} checkpoint {folder} does not map onto a DSpark draft: missing {missing}, "
+            f"unexpected {unexpected}, mis-shaped {shapes}"
+        )
+
+
 def load_mapped(model_class, folder: Path, config: DSparkConfig, theirs: dict, renames, layout: str, dtype=None):
     """Rename ``theirs`` into our keys (dropping target copies), check them strictly, build a ``model_class``
     (the draft class, handed in by the caller) from them."""
@@ -102,16 +117,7 @@ def load_mapped(model_class, folder: Path, config: DSparkConfig, theirs: dict, r
                 key = new + key[len(old) :]
         mapped[key] = value
     model = model_class(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(mapped))
-    unexpected = sorted(set(mapped) - set(expected))
-    shapes = [f"{k} {tuple(mapped[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-              if k in mapped and mapped[k].shape != v.shape]  # fmt: skip
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"{layout} checkpoint {folder} does not map onto a DSpark draft: missing {missing}, "
-            f"unexpected {unexpected}, mis-shaped {shapes}"
-        )
+    check_mapping(model, mapped, folder, layout)
     model.load_state_dict(mapped)
     model.config.name_or_path = str(folder)
     return model.to(dtype) if dtype is not None else model

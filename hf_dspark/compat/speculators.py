@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..configuration_dspark import DSparkConfig
-from .deepspec import read_weights
+from .deepspec import check_mapping, read_weights
 
 _HEADS_IN = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}
 _HEADS_OUT = {v: k for k, v in _HEADS_IN.items()}
@@ -113,16 +113,7 @@ def load_speculators(model_class, folder: str | Path, raw: dict, dtype: torch.dt
             full = w2.new_zeros(config.target_vocab_size, w2.shape[1])
             full[ids] = w2
             mapped["sequential_head.markov_w2.weight"] = full
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(mapped))
-    unexpected = sorted(set(mapped) - set(expected))
-    shapes = [f"{k} {tuple(mapped[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-              if k in mapped and mapped[k].shape != v.shape]  # fmt: skip
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"speculators checkpoint {folder} does not map onto a DSpark draft: missing {missing}, "
-            f"unexpected {unexpected}, mis-shaped {shapes}"
-        )
+    check_mapping(model, mapped, folder, "speculators")
     if config.draft_vocab_size is not None:
         model.set_draft_vocab(mapped["draft_vocab"])
     model.load_state_dict(mapped)
