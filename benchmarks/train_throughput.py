@@ -32,15 +32,14 @@ from hf_dspark.embedded import load_target  # noqa: E402
 from hf_dspark.training.data import frequent_tokens, load_dataset  # noqa: E402
 from hf_dspark.training.features import FeatureCache  # noqa: E402
 from hf_dspark.training.losses import LossWeights  # noqa: E402
-from hf_dspark.training.trainer import TrainConfig, make_batch, train  # noqa: E402
+from hf_dspark.training.trainer import TrainConfig, batch_generator, make_batch, train  # noqa: E402
 
 
 def supervised_positions(rows: list[dict], cfg: TrainConfig, steps: range, block_size: int) -> int:
     """(anchor, slot) pairs with a next token, over the batches ``train`` draws at ``steps`` (same generators)."""
     total = 0
     for step in steps:
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009)
-        _, valid, anchors, _ = make_batch(rows, cfg, gen)
+        _, valid, anchors, _ = make_batch(rows, cfg, batch_generator(cfg, step))
         label_pos = anchors[:, :, None] + torch.arange(block_size) + 1
         lengths = valid.sum(1)[:, None, None]
         total += int((label_pos < lengths).sum())
@@ -74,7 +73,7 @@ def main() -> None:
               stop_at=args.steps)  # fmt: skip
         features = FeatureCache(cache, target, draft.config.target_layer_ids)
         for step in range(args.steps, 2 * args.steps):
-            _, _, _, idx = make_batch(rows, cfg, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009))
+            _, _, _, idx = make_batch(rows, cfg, batch_generator(cfg, step))
             features.get(rows[idx[0]], cfg.max_length, "cpu")
         # the timed half: train's own clock, from after the resume to the last step (before the final save)
         train(target, draft, rows, run, cfg, progress=False, log=logged.append, feature_cache=cache, vocab=vocab)

@@ -168,8 +168,7 @@ def cmd_export(args) -> None:
     target, _ = load_target(args.target, args.dtype, with_tokenizer=False)
     draft = DSparkDraftModel.from_pretrained(args.draft, dtype=target.dtype).attach(target)
     if args.format == "speculators":
-        verifier = args.verifier or (None if args.target == "embedded" else args.target)
-        print(f"wrote {export_speculators(draft, args.out, verifier=verifier)} (speculators layout: vLLM)")
+        print(f"wrote {export_speculators(draft, args.out, verifier=args.verifier)} (speculators layout: vLLM)")
     else:
         print(f"wrote {export_deepspec(draft, args.out)} (DeepSpec layout)")
 
@@ -304,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     p.add_argument("--draft", required=True)
     p.add_argument("--format", default="deepspec", choices=["deepspec", "speculators"])
-    p.add_argument("--verifier", default=None, help="speculators: the target's Hub id or path, recorded for vLLM")
+    p.add_argument(
+        "--verifier", default=None, help="speculators: the target's Hub id for vLLM (default: --target's name_or_path)"
+    )
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_export)
 

@@ -310,12 +310,8 @@ class DSparkDraftModel(PreTrainedModel):
 
     # ----- backbone -------------------------------------------------------------------------------------------
 
-    def project_context(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
-        """H_ctx = RMSNorm(W_c [H^{l_1}; …; H^{l_m}]): [R, L, m·d_t] -> [R, L, d]."""
-        return self.hidden_norm(self.fc(target_hidden_states))
-
     def fuse_context(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
-        """W_c [H^{l_1}; …; H^{l_m}] before the norm: [R, L, m·d_t] -> [R, L, d]."""
+        """W_c [H^{l_1}; …; H^{l_m}], the context input before its RMSNorm: [R, L, m·d_t] -> [R, L, d]."""
         return self.fc(target_hidden_states)
 
     def fuse_layer_into(self, fused: torch.Tensor, slot: int, hidden: torch.Tensor) -> None:

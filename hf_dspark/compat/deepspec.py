@@ -23,6 +23,7 @@ from ..configuration_dspark import DSparkConfig
 ARCHITECTURE = "Qwen3DSparkModel"
 _HEADS_IN = {0: "none", "vanilla": "markov", "gated": "gated"}
 _RENAMES = (("markov_head.", "sequential_head."), ("confidence_head.proj.", "confidence.confidence_head."))
+TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the draft borrows the target's own at use time
 
 
 def is_deepspec_config(raw: dict) -> bool:
@@ -105,30 +106,38 @@ def check_mapping(model, mapped: dict, folder: Path, layout: str) -> None:
         )
 
 
-def load_mapped(model_class, folder: Path, config: DSparkConfig, theirs: dict, renames, layout: str, dtype=None):
-    """Rename ``theirs`` into our keys (dropping target copies), check them strictly, build a ``model_class``
-    (the draft class, handed in by the caller) from them."""
-    mapped = {}
-    for key, value in theirs.items():
-        if key in ("embed_tokens.weight", "lm_head.weight"):
-            continue  # copies of the target's: the draft borrows the target's own at use time
+def rename_keys(state: dict, renames) -> dict:
+    """``state`` with each key's prefix ``old`` replaced by ``new`` for the ``(old, new)`` pairs, in order (a later
+    pair sees what earlier ones made). Swap the pairs to go the other way."""
+    renamed = {}
+    for key, value in state.items():
         for old, new in renames:
             if key.startswith(old):
                 key = new + key[len(old) :]
-        mapped[key] = value
+        renamed[key] = value
+    return renamed
+
+
+def load_mapped(model_class, folder: Path, config: DSparkConfig, mapped: dict, layout: str, dtype=None):
+    """Build a ``model_class`` draft (the draft class, handed in by the caller) from ``mapped``, a foreign checkpoint
+    already renamed to our keys, strictly (:func:`check_mapping`). Without ``dtype`` it is built in the checkpoint's
+    own precision, so loading rounds nothing."""
+    if dtype is None:
+        dtype = next((v.dtype for k, v in mapped.items() if v.is_floating_point() and "norm" not in k), None)
     model = model_class(config)
+    model = model.to(dtype) if dtype is not None else model
     check_mapping(model, mapped, folder, layout)
     model.load_state_dict(mapped)
     model.config.name_or_path = str(folder)
-    return model.to(dtype) if dtype is not None else model
+    return model
 
 
 def load_deepspec(model_class, folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
     """Build a ``model_class`` draft from a DeepSpec DSpark checkpoint folder (strict: every tensor must map, shapes
     must match)."""
     folder = Path(folder)
-    return load_mapped(model_class, folder, config_from_deepspec(raw), read_weights(folder), _RENAMES, "DeepSpec",
-                       dtype)  # fmt: skip
+    theirs = {k: v for k, v in read_weights(folder).items() if k not in TARGET_COPIES}
+    return load_mapped(model_class, folder, config_from_deepspec(raw), rename_keys(theirs, _RENAMES), "DeepSpec", dtype)
 
 
 def export_deepspec(draft, folder: str | Path, num_anchors: int = 512) -> Path:
@@ -153,12 +162,8 @@ def export_deepspec(draft, folder: str | Path, num_anchors: int = 512) -> Path:
         raise ValueError("attach the draft to its target first: DeepSpec checkpoints carry embed_tokens and lm_head")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {}
-    for key, value in draft.state_dict().items():
-        for theirs, ours in _RENAMES:
-            if key.startswith(ours):
-                key = theirs + key[len(ours) :]
-        weights[key] = value.detach().contiguous().cpu()
+    ours_to_theirs = [(new, old) for old, new in _RENAMES]
+    weights = {k: v.detach().contiguous().cpu() for k, v in rename_keys(draft.state_dict(), ours_to_theirs).items()}
     weights["embed_tokens.weight"] = draft._target.embed_tokens.weight.detach().cpu().contiguous()
     weights["lm_head.weight"] = draft._target.lm_head.weight.detach().cpu().contiguous()
     kind = {"none": None, "markov": "vanilla", "gated": "gated"}[c.head_type]

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..configuration_dspark import DSparkConfig
-from .deepspec import load_mapped, qwen3_backbone, read_weights
+from .deepspec import TARGET_COPIES, load_mapped, qwen3_backbone, read_weights
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -53,4 +53,5 @@ def load_dflash(model_class, folder: str | Path, raw: dict, dtype: torch.dtype |
     """Build a ``model_class`` draft from a z-lab DFlash checkpoint folder (strict mapping: names are already ours)."""
     folder = Path(folder)
     config = config_from_dflash(raw)
-    return load_mapped(model_class, folder, config, read_weights(folder), renames=(), layout="DFlash", dtype=dtype)
+    mapped = {k: v for k, v in read_weights(folder).items() if k not in TARGET_COPIES}  # names are already ours
+    return load_mapped(model_class, folder, config, mapped, "DFlash", dtype)

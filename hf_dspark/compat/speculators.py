@@ -25,8 +25,15 @@ import torch
 from safetensors.torch import save_file
 
 from ..configuration_dspark import DSparkConfig
-from .deepspec import check_mapping, read_weights
+from .deepspec import TARGET_COPIES, load_mapped, read_weights, rename_keys
 
+# their names -> ours (swapped for export); the RNN cell's pair first, before "markov_head." takes the rest
+_RENAMES = (
+    ("markov_head.joint_proj.", "sequential_head.rnn_cell."),
+    ("markov_head.", "sequential_head."),
+    ("confidence_head.proj.", "confidence.confidence_head."),
+)
+_RENAMES_OUT = tuple((ours, theirs) for theirs, ours in _RENAMES)
 _HEADS_IN = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}
 _HEADS_OUT = {v: k for k, v in _HEADS_IN.items()}
 EXTRAS = "hf_dspark.json"  # what the format has no field for: STS temperatures, verify settings
@@ -87,20 +94,8 @@ def load_speculators(model_class, folder: str | Path, raw: dict, dtype: torch.dt
         for key, value in json.loads(extras.read_text()).items():
             setattr(config, key, value)
     theirs = read_weights(folder)
-    if dtype is None:  # build in the checkpoint's own precision, so loading rounds nothing
-        dtype = next((v.dtype for k, v in theirs.items() if v.is_floating_point() and "norm" not in k), None)
-    model = model_class(config).to(dtype) if dtype is not None else model_class(config)
-    mapped = {}
-    for key, value in theirs.items():
-        if key in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
-            continue  # the target's own (reduced to the draft vocabulary for lm_head): borrowed at use time
-        if key in ("t2d", "d2t"):
-            continue
-        key = key.replace("markov_head.joint_proj.", "sequential_head.rnn_cell.")
-        key = key.replace("markov_head.", "sequential_head.").replace(
-            "confidence_head.proj.", "confidence.confidence_head."
-        )
-        mapped[key] = value
+    skip = (*TARGET_COPIES, "verifier_lm_head.weight", "verifier_norm.weight", "t2d", "d2t")  # lm_head: reduced
+    mapped = rename_keys({k: v for k, v in theirs.items() if k not in skip}, _RENAMES)
     if config.draft_vocab_size is not None:
         if "d2t" not in theirs:
             raise ValueError(f"speculators checkpoint {folder}: draft_vocab_size is set but d2t is missing")
@@ -113,12 +108,7 @@ def load_speculators(model_class, folder: str | Path, raw: dict, dtype: torch.dt
             full = w2.new_zeros(config.target_vocab_size, w2.shape[1])
             full[ids] = w2
             mapped["sequential_head.markov_w2.weight"] = full
-    check_mapping(model, mapped, folder, "speculators")
-    if config.draft_vocab_size is not None:
-        model.set_draft_vocab(mapped["draft_vocab"])
-    model.load_state_dict(mapped)
-    model.config.name_or_path = str(folder)
-    return model.to(dtype) if dtype is not None else model
+    return load_mapped(model_class, folder, config, mapped, "speculators", dtype)
 
 
 def export_speculators(draft, folder: str | Path, verifier: str | None = None) -> Path:
@@ -147,15 +137,8 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
         raise ValueError("attach the draft to its target first: the reduced lm_head is part of the checkpoint")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {}
-    for key, value in draft.state_dict().items():
-        if key == "draft_vocab":
-            continue
-        key = key.replace("sequential_head.rnn_cell.", "markov_head.joint_proj.")
-        key = key.replace("sequential_head.", "markov_head.").replace(
-            "confidence.confidence_head.", "confidence_head.proj."
-        )
-        weights[key] = value.detach().cpu().contiguous()
+    state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab"}
+    weights = {k: v.detach().cpu().contiguous() for k, v in rename_keys(state, _RENAMES_OUT).items()}
     vocab_size = c.target_vocab_size
     if vocab is not None:
         ids = vocab.detach().cpu().long()

@@ -55,6 +55,12 @@ def _lr_lambda(cfg: TrainConfig):
     return f
 
 
+def batch_generator(cfg: TrainConfig, step: int, rank: int = 0) -> torch.Generator:
+    """The generator that draws step ``step``'s batch and anchors on process ``rank``: a function of (seed, step,
+    rank) alone, so a resumed run (or a benchmark counting a run's positions) draws exactly what the run draws."""
+    return torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
+
+
 def make_batch(rows: list[dict], cfg: TrainConfig, gen: torch.Generator, pad_id: int = 0):
     """Pick ``batch_size`` sequences and ``anchors`` anchors in each answer -> (input_ids, valid, anchors, rows)."""
     idx = torch.randint(len(rows), (cfg.batch_size,), generator=gen).tolist()
@@ -168,8 +174,7 @@ def train(
     bar = tqdm(range(start, end), disable=not (progress and acc.is_main_process), desc="train")
     t0 = time.time()
     for step in bar:
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + acc.process_index)
-        input_ids, valid, anchors, idx = make_batch(rows, cfg, gen)
+        input_ids, valid, anchors, idx = make_batch(rows, cfg, batch_generator(cfg, step, acc.process_index))
         input_ids, valid, anchors = input_ids.to(acc.device), valid.to(acc.device), anchors.to(acc.device)
         feats, final = batch_target_outputs(target, draft, rows, idx, input_ids, valid, cache, cfg)
         with acc.autocast():

@@ -86,7 +86,7 @@ def ours_block(draft, features, ids, p):
     return logits, torch.stack(biases) if biases else None, torch.stack(confs) if confs else None
 
 
-def compare(name, a, b, tol=2e-4):
+def compare(name, a, b):
     """Largest absolute difference of each part (block logits, bias, confidences); None where both lack it."""
     diffs = {}
     for part, x, y in zip(("logits", "bias", "confidence"), a, b, strict=True):
