@@ -1,8 +1,11 @@
 """Target features cached on disk, so later epochs skip the frozen target's forward pass.
 
-Per training row: the concatenated hidden states the draft reads [L, m·d_t] and the target's final (normed)
-hidden state [L, d_t] — O(d) per token instead of O(V) logits; the LM head is applied only where a loss needs
-it. One safetensors file per row, written to a temporary name and renamed (a crash never leaves half a file).
+Per training row: the concatenated hidden states the draft reads [L, m·d_t], the target's final (normed) hidden
+state [L, d_t] — O(d) per token instead of O(V) logits — and two numbers per position that summarise the target's
+whole-vocabulary distribution: its log-normaliser and its argmax. With those, a step that trains over a draft
+vocabulary applies the LM head to the draft vocabulary's rows only (6× fewer columns for SmolLM2's 8k of 49k)
+instead of recomputing the whole-vocabulary softmax at every slot of every step. One safetensors file per row,
+written to a temporary name and renamed (a crash never leaves half a file).
 """
 
 from __future__ import annotations
@@ -22,11 +25,29 @@ def target_outputs(target, layer_ids: list[int], input_ids: torch.Tensor, valid:
     return feats, out.hidden_states[-1]
 
 
+def target_statistics(lm_head, final: torch.Tensor, chunk: int = 256):
+    """final [..., L, d_t] -> (logsumexp [..., L] float32, argmax [..., L] long) of ``lm_head(final)``, the
+    target's logits over its whole vocabulary, ``chunk`` positions at a time so the [chunk, V] logits are all
+    that is ever held. ``final`` must already be in the head's dtype."""
+    flat = final.reshape(-1, final.shape[-1])
+    lse = torch.empty(flat.shape[0], dtype=torch.float32, device=final.device)
+    top = torch.empty(flat.shape[0], dtype=torch.long, device=final.device)
+    with torch.no_grad():
+        for i in range(0, flat.shape[0], chunk):
+            logits = lm_head(flat[i : i + chunk]).float()
+            lse[i : i + chunk], top[i : i + chunk] = logits.logsumexp(-1), logits.argmax(-1)
+    return lse.view(final.shape[:-1]), top.view(final.shape[:-1])
+
+
 class FeatureCache:
-    """``get(row)`` returns (features, final hidden) for one row [L, ·], from disk or computed and stored.
+    """``get(row)`` returns (features [L, m·d_t], final hidden [L, d_t], logsumexp [L], argmax [L]) for one row,
+    from disk or computed and stored. The statistics are computed from the stored (rounded) final hidden state,
+    so they normalise exactly the logits a step recomputes from it.
 
     The folder is keyed by the layer ids and storage dtype, so a draft reading other layers never reuses it.
     """
+
+    KEYS = ("features", "final", "logsumexp", "argmax")
 
     def __init__(self, root: str | Path, target, layer_ids: list[int], dtype: torch.dtype = torch.float16):
         key = hashlib.sha1(f"{layer_ids}-{dtype}-{target.config.to_json_string()}".encode()).hexdigest()[:12]
@@ -44,12 +65,16 @@ class FeatureCache:
             try:
                 t = load_file(path)
                 if t["features"].shape[0] >= len(ids):
-                    return t["features"][: len(ids)].to(device), t["final"][: len(ids)].to(device)
-            except Exception:
+                    return tuple(t[k][: len(ids)].to(device) for k in self.KEYS)
+            except Exception:  # unreadable, or written before a key existed: computed again below
                 pass
         x = torch.tensor([ids], device=device)
         feats, final = target_outputs(self.target, self.layer_ids, x, torch.ones_like(x, dtype=torch.bool))
+        feats, final = feats[0].to(self.dtype), final[0].to(self.dtype)
+        head = self.target.get_output_embeddings()
+        lse, top = target_statistics(head, final.to(head.weight.dtype))
         tmp = path.with_suffix(".tmp")
-        save_file({"features": feats[0].to(self.dtype).cpu(), "final": final[0].to(self.dtype).cpu()}, str(tmp))
+        t = dict(zip(self.KEYS, (feats, final, lse, top), strict=True))
+        save_file({k: v.cpu().contiguous() for k, v in t.items()}, str(tmp))
         tmp.replace(path)
-        return feats[0], final[0]
+        return tuple(t[k].to(device) for k in self.KEYS)

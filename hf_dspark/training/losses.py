@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..heads import soft_acceptance_label
 from ..modeling_dspark import DSparkDraftModel
+from .features import target_statistics
 
 
 @dataclass
@@ -62,12 +62,15 @@ def block_predictions(
     anchors: torch.Tensor,
     target_hidden: torch.Tensor,
     vocab: torch.Tensor | None = None,
+    target_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BlockPredictions:
     """features [R, L, m·d_t] (target hidden states), input_ids [R, L], valid [R, L] bool, anchors [R, A]
     (positions that have a next token), target_hidden [R, L, d_t] (the target's final normed hidden state; its LM
     head is applied only at the block slots). ``vocab`` [C], distinct token ids: predict over these columns only
     (column i is token ``vocab[i]``), as a draft with that draft vocabulary decodes (``None``: the whole
-    vocabulary).
+    vocabulary). ``target_stats`` (logsumexp [R, L] float32, argmax [R, L]): the target's whole-vocabulary
+    log-normaliser and argmax at every position (as :class:`~.features.FeatureCache` stores them); with a ``vocab``
+    they spare the whole-vocabulary LM head at every slot (without, they are computed here).
     """
     if draft.config.draft_offset != 0:
         raise ValueError("training supports DSpark's block convention only (draft_offset=0)")
@@ -92,8 +95,9 @@ def block_predictions(
     else:
         # the frozen LM head's rows are gathered per call; W2's rows keep their gradient
         head = draft.target.get_output_embeddings()
-        bias = head.bias[vocab] if getattr(head, "bias", None) is not None else None
-        logits = F.linear(h, head.weight[vocab], bias).float()
+        head_rows = head.weight[vocab]
+        head_bias = head.bias[vocab] if getattr(head, "bias", None) is not None else None
+        logits = F.linear(h, head_rows, head_bias).float()
         rows = draft.sequential_head.markov_w2.weight[vocab] if draft.sequential_head is not None else None
     feature = None
     if draft.sequential_head is not None:
@@ -101,13 +105,20 @@ def block_predictions(
         logits = logits + bias.float()
     d = target_hidden.shape[-1]
     t_hidden = torch.gather(target_hidden, 1, slot_pos.clamp_max(L - 1).reshape(R, -1, 1).expand(-1, -1, d))
+    t_hidden = t_hidden.to(draft.dtype).view(R, A, gamma, d)
     with torch.no_grad():
-        t_logp = F.log_softmax(draft.lm_head(t_hidden.to(draft.dtype)).float().view(R, A, gamma, -1), -1)
-        t_top = t_logp.argmax(-1)
-        if vocab is not None:  # normalised over the whole vocabulary, kept for the subset's columns only
-            column = torch.full((t_logp.shape[-1],), -1, dtype=torch.long, device=vocab.device)
+        if vocab is None:
+            t_logp = F.log_softmax(draft.lm_head(t_hidden).float(), -1)
+            t_top = t_logp.argmax(-1)
+        else:  # normalised over the whole vocabulary, computed for the subset's columns only
+            if target_stats is None:
+                lse, top = target_statistics(draft.lm_head, t_hidden)
+            else:
+                lse, top = (gather(s, slot_pos) for s in target_stats)
+            t_logp = F.linear(t_hidden, head_rows, head_bias).float() - lse[..., None]
+            column = torch.full((draft.config.target_vocab_size,), -1, dtype=torch.long, device=vocab.device)
             column[vocab] = torch.arange(vocab.numel(), device=vocab.device)
-            t_logp, t_top, labels = t_logp[..., vocab], column[t_top], column[labels]
+            t_top, labels = column[top], column[labels]
     conf = draft.confidence.logit(h, feature).float() if draft.confidence is not None else None
     return BlockPredictions(logits, t_logp, labels, t_top, has_label, conf)
 
@@ -137,33 +148,46 @@ class DSparkTrainingModule(nn.Module):
             vocab = vocab.sort().values
         self.register_buffer("vocab", vocab, persistent=False)
 
-    def forward(self, features, input_ids, valid, anchors, target_hidden) -> dict[str, torch.Tensor]:
+    def forward(self, features, input_ids, valid, anchors, target_hidden, target_stats=None) -> dict[str, torch.Tensor]:
         """Arguments as :func:`block_predictions`. Returns the weighted ``loss``, its components, and per-position
         acceptance estimates ``accept`` [γ] (mean soft label) and ``greedy_accept`` [γ] (argmaxes agree)."""
-        pred = block_predictions(self.draft, features, input_ids, valid, anchors, target_hidden, self.vocab)
-        gamma = self.draft.config.block_size
-        logp_d = F.log_softmax(pred.logits, -1)
-        p_d, p_t = logp_d.exp(), pred.target_logprobs.exp()
-        k = torch.arange(gamma, device=input_ids.device)
-        w = torch.exp(-k.float() / (self.draft.config.loss_decay or gamma)) * pred.has_label  # [R, A, γ]
-        norm = w.sum().clamp_min(1e-6)
-        w_ce = w * (pred.labels >= 0)  # a label outside the columns cannot be drafted: no CE term
-        nll = -logp_d.gather(-1, pred.labels.clamp_min(0)[..., None]).squeeze(-1)
-        ce = (nll * w_ce).sum() / w_ce.sum().clamp_min(1e-6)
-        missed = (1 - p_t.sum(-1)).clamp_min(0)  # target mass outside the columns (0 with the whole vocabulary)
-        tv = (((p_d - p_t).abs().sum(-1) + missed) * w).sum() / norm
-        soft = soft_acceptance_label(p_d, p_t).detach()
-        losses = {"ce": ce, "tv": tv}
-        loss = self.weights.ce * ce + self.weights.tv * tv
-        if pred.confidence_logits is not None:
-            bce = F.binary_cross_entropy_with_logits(pred.confidence_logits, soft, reduction="none")
-            losses["conf"] = (bce * w).sum() / norm
-            loss = loss + self.weights.conf * losses["conf"]
-        greedy = (pred.logits.argmax(-1) == pred.target_top).float()
-        per_pos = pred.has_label.float().sum((0, 1)).clamp_min(1)
-        return {
-            "loss": loss,
-            **losses,
-            "accept": ((soft * pred.has_label).sum((0, 1)) / per_pos).detach(),
-            "greedy_accept": ((greedy * pred.has_label).sum((0, 1)) / per_pos).detach(),
-        }
+        pred = block_predictions(
+            self.draft, features, input_ids, valid, anchors, target_hidden, self.vocab, target_stats
+        )
+        decay = self.draft.config.loss_decay or self.draft.config.block_size
+        return block_losses(pred, self.weights, decay)
+
+
+def block_losses(pred: BlockPredictions, weights: LossWeights, decay: float) -> dict[str, torch.Tensor]:
+    """The weighted ``loss`` of :class:`BlockPredictions`, its components, and per-position acceptance estimates
+    ``accept`` [γ] (mean soft label) and ``greedy_accept`` [γ] (argmaxes agree). Position weights
+    w_k = exp(-k / decay), zero where a slot has no label."""
+    gamma = pred.logits.shape[2]
+    logp_d = F.log_softmax(pred.logits, -1)
+    p_d, p_t = logp_d.exp(), pred.target_logprobs.exp()
+    k = torch.arange(gamma, device=pred.logits.device)
+    w = torch.exp(-k.float() / decay) * pred.has_label  # [R, A, γ]
+    norm = w.sum().clamp_min(1e-6)
+    w_ce = w * (pred.labels >= 0)  # a label outside the columns cannot be drafted: no CE term
+    nll = -logp_d.gather(-1, pred.labels.clamp_min(0)[..., None]).squeeze(-1)
+    ce = (nll * w_ce).sum() / w_ce.sum().clamp_min(1e-6)
+    missed = (1 - p_t.sum(-1)).clamp_min(0)  # target mass outside the columns (0 with the whole vocabulary)
+    # ‖p_d - p_t‖₁ over the whole vocabulary (p_d is 0 outside the columns), whose half is 1 - Σ min(p_d, p_t):
+    # the soft label c* (heads.soft_acceptance_label) without a second pass over the columns
+    l1 = (p_d - p_t).abs().sum(-1) + missed
+    tv = (l1 * w).sum() / norm
+    soft = (1 - 0.5 * l1).clamp(0, 1).detach()
+    losses = {"ce": ce, "tv": tv}
+    loss = weights.ce * ce + weights.tv * tv
+    if pred.confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(pred.confidence_logits, soft, reduction="none")
+        losses["conf"] = (bce * w).sum() / norm
+        loss = loss + weights.conf * losses["conf"]
+    greedy = (pred.logits.argmax(-1) == pred.target_top).float()
+    per_pos = pred.has_label.float().sum((0, 1)).clamp_min(1)
+    return {
+        "loss": loss,
+        **losses,
+        "accept": ((soft * pred.has_label).sum((0, 1)) / per_pos).detach(),
+        "greedy_accept": ((greedy * pred.has_label).sum((0, 1)) / per_pos).detach(),
+    }
