@@ -62,6 +62,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head", default="markov", choices=["markov", "none", "gated", "rnn"])
     ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--anchors", type=int, default=48, help="anchor blocks per sequence")
+    ap.add_argument("--milestone-every", type=int, default=0, help="keep every checkpoint at multiples of this")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data", type=Path, default=ANSWERS, help="regenerated answers (a file or shard folder)")
     ap.add_argument("--run", default=None, help="run folder under the state dir (default run-<head>[-speculators])")
@@ -77,6 +79,7 @@ def main() -> None:
                     help="train over this many most frequent answer tokens (0: the whole vocabulary)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # subnormal floats cost some steps 10-35% (benchmarks/train_throughput.py)
     rows = [r for r in load_dataset(args.data) if not is_held_out(r)]
     out = STATE / (args.run or f"run-{args.head}" + ("-speculators" if args.layout == "speculators" else ""))
     target, tokenizer = load_target()
@@ -84,10 +87,11 @@ def main() -> None:
     cfg = TrainConfig(
         steps=args.steps,
         lr=3e-3,
-        anchors=48,
+        anchors=args.anchors,
         batch_size=1,
         max_length=768,
         save_every=100,
+        milestone_every=args.milestone_every,
         log_every=20,
         loss_weights=LossWeights(ce=1.0, tv=0.1, conf=1.0),
         mixed_precision=args.mixed_precision,
