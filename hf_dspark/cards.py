@@ -31,7 +31,8 @@ def _table(results: list[dict] | None, kind: str) -> str:
 def render_card(draft_dir: str | Path, name: str | None = None, target: str | None = None,
                 license: str = "mit") -> str:  # fmt: skip
     """Render the card for the draft in ``draft_dir``. Reads ``config.json`` and, when present, ``eval.json``,
-    ``bench.json`` and ``training.json`` (``{"command", "data", "steps", ...}``) from the same folder."""
+    ``bench.json`` and ``training.json`` (``{"command", "data", "steps", "target weights", ...}``) from the same
+    folder."""
     from .configuration_dspark import DSparkConfig
     from .modeling_dspark import DSparkDraftModel
 
@@ -44,6 +45,14 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
         training_text = "\n".join(f"- **{k}**: {v}" for k, v in training.items())
     else:
         training_text = "No training record in this folder."
+    weights = (training or {}).get("target weights")
+    weights_text = (
+        f"Trained and measured against these weights of the target: {weights}. Its acceptance with other weights of"
+        " the same model (e.g. the original checkpoint the snippet above loads) is not measured; the output stays"
+        " the target's either way, only the speed may differ."
+        if weights
+        else "The training record does not say which weights of the target the draft was trained against."
+    )
     c = config
     report = load("calibration.json") or {}
     fitted_on = {
@@ -76,6 +85,7 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
         else "off (`config.lookup_max_ngram = 3` turns it on)",
         params=f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M",
         training=training_text,
+        target_weights=weights_text,
         eval=_table(load("eval.json"), "eval"),
         bench=_table(load("bench.json"), "bench"),
         license=license,
