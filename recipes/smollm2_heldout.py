@@ -59,7 +59,7 @@ def main() -> None:
     drafts = {str(d): DSparkDraftModel.from_pretrained(d) for d in args.draft}
     for name in args.run:
         run = STATE / name
-        draft, step = load_run(target32, run, args.head, args.checkpoint)
+        draft, step = load_run(target32, tokenizer, run, args.head, args.checkpoint)
         vocab = saved_vocab(run)
         if vocab is not None:
             draft.set_draft_vocab(vocab)
