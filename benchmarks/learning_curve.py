@@ -1,0 +1,126 @@
+"""Learning curve of SmolLM2 training runs: held-out τ of each kept checkpoint, against steps and supervised tokens.
+
+    python benchmarks/learning_curve.py --run run5k-markov-a96 [--run ...] [--prompts 24] [--threads 2]
+        [--out benchmarks/results/learning_curve]
+
+For every ``checkpoint-N`` a run kept (``--milestone-every`` in the recipe) and its final draft: greedy DSpark
+decoding by the draft alone (fixed γ, no lookup) of the recipe's held-out prompts (never trained on; not the eval
+sets, which stay for the final measurement), bfloat16 target, 128 new tokens; the shipped draft on the same prompts
+is the reference line. Supervised tokens = steps × sequences per step × anchors × γ (the (anchor, slot) pairs a
+run trains on; a few fall past the end of an answer). Results accumulate in ``<out>/<run>.json`` (a checkpoint
+already measured with the same prompts is not measured again), and ``<out>/learning_curve.png`` plots them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+from smollm2_heldout import heldout_stats  # noqa: E402
+from smollm2_ship import held_out_prompts, load_run  # noqa: E402
+from smollm2_train import STATE  # noqa: E402
+
+from hf_dspark import DSparkDraftModel  # noqa: E402
+from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
+from hf_dspark.training.trainer import saved_vocab  # noqa: E402
+
+
+def kept_steps(run: Path) -> list[int]:
+    """Steps with a checkpoint (or the final draft) in ``run``, ascending."""
+    steps = {int(p.name.split("-")[1]) for p in run.glob("checkpoint-*")}
+    final = run / "final" / "train_config.json"
+    if final.is_file():
+        steps.add(json.loads(final.read_text())["steps"])
+    return sorted(steps)
+
+
+def measure(target, draft, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """Held-out τ and per-position acceptance of ``draft`` on ``target`` (see the module docstring)."""
+    stats = heldout_stats(target, draft.attach(target).eval(), prompts, max_new_tokens)
+    return {"tau": round(stats.tau, 4), "rounds": stats.rounds,
+            "acceptance": [None if a is None else round(a, 4) for a in stats.position_acceptance()]}  # fmt: skip
+
+
+def plot(curves: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for name, curve in curves.items():
+        points = sorted(curve["points"], key=lambda p: p["step"])
+        for ax, key in zip(axes, ["step", "supervised_tokens"], strict=True):
+            ax.plot([p[key] for p in points], [p["tau"] for p in points], "o-", label=name)
+    reference = next((c["reference"] for c in curves.values() if c.get("reference")), None)
+    for ax, label in zip(axes, ["training steps", "supervised (anchor, slot) tokens"], strict=True):
+        if reference:
+            ax.axhline(reference["tau"], color="grey", ls="--", label=f"shipped draft ({reference['tau']:.2f})")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out τ (draft alone, fixed γ, greedy)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", action="append", required=True, help="run folder name under the recipe's state dir")
+    ap.add_argument("--head", default="markov")
+    ap.add_argument("--anchors", type=int, default=96, help="anchors per sequence of runs without a final config")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_curve")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target32, tokenizer = load_target()
+    target, _ = load_target(torch.bfloat16)
+    prompts = [r["prompt_ids"] for r in held_out_prompts(tokenizer) if len(r["prompt_ids"]) <= 512][: args.prompts]
+    setting = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "target": "bfloat16"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    curves = {}
+    for name in args.run:
+        run, path = STATE / name, args.out / f"{name}.json"
+        curve = json.loads(path.read_text()) if path.is_file() else {}
+        if curve.get("setting") != setting:  # other prompts: nothing measured before compares
+            curve = {"setting": setting, "points": []}
+        if "reference" not in curve:
+            shipped = DSparkDraftModel.from_pretrained(DRAFT_DIR)
+            curve["reference"] = {"draft": str(DRAFT_DIR.relative_to(ROOT))} | measure(
+                target, shipped, prompts, args.max_new_tokens
+            )
+        final = run / "final" / "train_config.json"
+        anchors = json.loads(final.read_text())["anchors"] if final.is_file() else args.anchors
+        done = {p["step"] for p in curve["points"]}
+        for step in kept_steps(run):
+            if step in done:
+                continue
+            checkpoint = step if (run / f"checkpoint-{step}").is_dir() else None  # else the final draft
+            draft, got = load_run(target32, tokenizer, run, args.head, checkpoint)
+            vocab = saved_vocab(run)
+            if vocab is not None:
+                draft.set_draft_vocab(vocab)
+            point = {"step": got, "supervised_tokens": got * anchors * draft.config.block_size}
+            point |= measure(target, draft.to(torch.bfloat16), prompts, args.max_new_tokens)
+            curve["points"].append(point)
+            print(f"{name}@{got}: tau {point['tau']:.3f}", flush=True)
+            path.write_text(json.dumps(curve, indent=1) + "\n")
+        path.write_text(json.dumps(curve, indent=1) + "\n")
+        curves[name] = curve
+    plot(curves, args.out / "learning_curve.png")
+    for name, curve in curves.items():
+        print(name, [(p["step"], p["tau"]) for p in sorted(curve["points"], key=lambda p: p["step"])],
+              "shipped", curve["reference"]["tau"])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
