@@ -85,7 +85,7 @@ def cmd_train(args) -> None:
         mixed_precision=args.mixed_precision,
         loss_weights=LossWeights(*args.loss_weights),
     )
-    train(target, draft, rows, args.out, cfg, stop_at=args.stop_at, vocab=vocab)
+    train(target, draft, rows, args.out, cfg, stop_at=args.stop_at, vocab=vocab, feature_cache=args.feature_cache)
 
 
 def cmd_calibrate(args) -> None:
@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--feature-cache", default=None,
+                   help="a folder for the target's features per row: later epochs skip the target's forward and "
+                   "its whole-vocabulary softmax (several GB for thousands of rows)")  # fmt: skip
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--loss-weights", type=float, nargs=3, default=[0.1, 0.9, 1.0], metavar=("CE", "TV", "CONF"))
     p.add_argument("--draft-vocab", type=int, default=0,

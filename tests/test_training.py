@@ -314,9 +314,12 @@ def test_cli_train_then_calibrate(setup, tmp_path):
             "4",
             "--save-every",
             "3",
+            "--feature-cache",
+            str(tmp_path / "features"),
         ]
     )
     assert (out / "final" / "model.safetensors").is_file() and (out / "checkpoint-6").is_dir()
+    assert list((tmp_path / "features").rglob("*.safetensors"))  # the target's features were cached
     # trained over the 30 most frequent answer tokens + the tokenizer's special ids, and shipped with them
     vocab = json.loads((out / "draft_vocab.json").read_text())
     assert vocab == frequent_tokens(rows, 30, always=char_tokenizer().all_special_ids).tolist()
