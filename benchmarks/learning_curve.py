@@ -32,9 +32,10 @@ from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
 from hf_dspark.training.trainer import saved_vocab  # noqa: E402
 
 
-def kept_steps(run: Path) -> list[int]:
-    """Steps with a checkpoint (or the final draft) in ``run``, ascending."""
+def kept_steps(run: Path, every: int) -> list[int]:
+    """Steps that are multiples of ``every`` with a checkpoint in ``run``, and the final draft's, ascending."""
     steps = {int(p.name.split("-")[1]) for p in run.glob("checkpoint-*")}
+    steps = {s for s in steps if s % every == 0}
     final = run / "final" / "train_config.json"
     if final.is_file():
         steps.add(json.loads(final.read_text())["steps"])
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--run", action="append", required=True, help="run folder name under the recipe's state dir")
     ap.add_argument("--head", default="markov")
     ap.add_argument("--anchors", type=int, default=96, help="anchors per sequence of runs without a final config")
+    ap.add_argument("--every", type=int, default=1000, help="measure checkpoints at multiples of this step")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -101,7 +103,7 @@ def main() -> None:
         final = run / "final" / "train_config.json"
         anchors = json.loads(final.read_text())["anchors"] if final.is_file() else args.anchors
         done = {p["step"] for p in curve["points"]}
-        for step in kept_steps(run):
+        for step in kept_steps(run, args.every):
             if step in done:
                 continue
             checkpoint = step if (run / f"checkpoint-{step}").is_dir() else None  # else the final draft
