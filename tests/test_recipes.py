@@ -1,0 +1,78 @@
+"""The SmolLM2 recipe's warm restart: a new run starts from a finished draft, and the ship step records the chain."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_dspark.testing import tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+try:
+    from smollm2_ship import run_history, train_command
+    from smollm2_train import build_draft, record_recipe, start_from
+finally:
+    sys.path.remove(str(ROOT / "recipes"))
+
+
+def test_a_new_run_starts_from_a_finished_drafts_weights_and_vocabulary(tmp_path):
+    target = tiny_target("llama", vocab_size=96)
+    finished = build_draft(target, "markov", mask_token_id=7)
+    with torch.no_grad():
+        for p in finished.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))
+    finished.set_draft_vocab([3, 1, 7, 40, 95])
+    finished.save_pretrained(tmp_path / "final")
+
+    fresh = build_draft(target, "markov", mask_token_id=7)
+    vocab = start_from(fresh, tmp_path / "final")
+    assert vocab.tolist() == [1, 3, 7, 40, 95]
+    assert fresh.draft_vocab is None  # the trainer is given the vocabulary; the weights stay whole-vocabulary
+    theirs = finished.set_draft_vocab(None).state_dict()
+    assert fresh.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(fresh.state_dict()[k], theirs[k]) for k in theirs)
+
+    other_layout = build_draft(target, "markov")  # no q/k norms, a learned mask vector: not the same recipe
+    with pytest.raises(RuntimeError, match="q_norm"):
+        start_from(other_layout, tmp_path / "final")
+
+
+def write_run(state: Path, name: str, steps: int, lr: float, seed: int, init_from: str | None) -> Path:
+    run = state / name
+    (run / "final").mkdir(parents=True)
+    cfg = {"steps": steps, "lr": lr, "seed": seed, "anchors": 96, "min_lr_ratio": 0.1}
+    (run / "final" / "train_config.json").write_text(json.dumps(cfg))
+    args = argparse.Namespace(
+        head="markov", steps=steps, anchors=96, lr=lr, seed=seed, layout="speculators", threads=2,
+        init_from=None if init_from is None else state / init_from / "final",
+    )  # fmt: skip
+    record_recipe(run, args)
+    return run
+
+
+def test_the_ship_step_follows_warm_restarts_back_to_the_first_run(tmp_path):
+    write_run(tmp_path, "first", 4000, 3e-3, 0, None)
+    write_run(tmp_path, "second", 6000, 2e-3, 1, "first")
+    third = write_run(tmp_path, "third", 500, 1e-3, 2, "second")
+    recipe = json.loads((third / "recipe.json").read_text())
+    assert "threads" not in recipe and recipe["init_from"] == str(tmp_path / "second" / "final")
+    record_recipe(third, argparse.Namespace(head="none", steps=1, init_from=None))  # a resume keeps the first start's
+    assert json.loads((third / "recipe.json").read_text()) == recipe
+
+    chain = run_history(third)
+    assert [(r["run"], r["steps"], r["lr"], r["seed"]) for r in chain] == [
+        ("first", 4000, 3e-3, 0),
+        ("second", 6000, 2e-3, 1),
+        ("third", 500, 1e-3, 2),
+    ]
+    command = train_command("markov", chain).split(" && ")
+    assert command[0] == "python recipes/smollm2_train.py --head markov --run first --steps 4000 --anchors 96"
+    assert command[2] == (
+        "python recipes/smollm2_train.py --head markov --run third --steps 500 --anchors 96 --lr 0.001 --seed 2"
+        " --init-from <state>/second/final"
+    )
