@@ -7,8 +7,9 @@ For every ``checkpoint-N`` a run kept (``--milestone-every`` in the recipe) and 
 decoding by the draft alone (fixed γ, no lookup) of the recipe's held-out prompts (never trained on; not the eval
 sets, which stay for the final measurement), bfloat16 target, 128 new tokens; the shipped draft on the same prompts
 is the reference line. Supervised tokens = steps × sequences per step × anchors × γ (the (anchor, slot) pairs a
-run trains on; a few fall past the end of an answer). Results accumulate in ``<out>/<run>.json`` (a checkpoint
-already measured with the same prompts is not measured again), and ``<out>/learning_curve.png`` plots them all.
+run trains on; a few fall past the end of an answer); a warm restart's steps count on from the runs it continues.
+Results accumulate in ``<out>/<run>.json`` (a checkpoint already measured with the same prompts is not measured
+again), and ``<out>/learning_curve.png`` plots them all.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
 from smollm2_heldout import heldout_stats  # noqa: E402
-from smollm2_ship import held_out_prompts, load_run  # noqa: E402
+from smollm2_ship import held_out_prompts, load_run, run_history  # noqa: E402
 from smollm2_train import STATE  # noqa: E402
 
 from hf_dspark import DSparkDraftModel  # noqa: E402
@@ -40,6 +41,14 @@ def kept_steps(run: Path, every: int) -> list[int]:
     if final.is_file():
         steps.add(json.loads(final.read_text())["steps"])
     return sorted(steps)
+
+
+def steps_before(run: Path) -> int:
+    """Steps trained before ``run`` started: a warm restart (``--init-from``) continues its chain of earlier runs,
+    so its points sit after theirs on the curve."""
+    recipe = run / "recipe.json"
+    init = json.loads(recipe.read_text()).get("init_from") if recipe.is_file() else None
+    return sum(r["steps"] for r in run_history(Path(init).parent)) if init else 0
 
 
 def measure(target, draft, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -102,15 +111,17 @@ def main() -> None:
             )
         final = run / "final" / "train_config.json"
         anchors = json.loads(final.read_text())["anchors"] if final.is_file() else args.anchors
+        before = steps_before(run)
         done = {p["step"] for p in curve["points"]}
         for step in kept_steps(run, args.every):
-            if step in done:
+            if before + step in done:
                 continue
             checkpoint = step if (run / f"checkpoint-{step}").is_dir() else None  # else the final draft
             draft, got = load_run(target32, tokenizer, run, args.head, checkpoint)
             vocab = saved_vocab(run)
             if vocab is not None:
                 draft.set_draft_vocab(vocab)
+            got += before
             point = {"step": got, "supervised_tokens": got * anchors * draft.config.block_size}
             point |= measure(target, draft.to(torch.bfloat16), prompts, args.max_new_tokens)
             curve["points"].append(point)
