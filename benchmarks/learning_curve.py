@@ -43,12 +43,18 @@ def kept_steps(run: Path, every: int) -> list[int]:
     return sorted(steps)
 
 
-def steps_before(run: Path) -> int:
-    """Steps trained before ``run`` started: a warm restart (``--init-from``) continues its chain of earlier runs,
-    so its points sit after theirs on the curve."""
+def restarted_from(run: Path) -> Path | None:
+    """The run folder a warm restart (``--init-from <run>/final``) continues, or ``None``."""
     recipe = run / "recipe.json"
     init = json.loads(recipe.read_text()).get("init_from") if recipe.is_file() else None
-    return sum(r["steps"] for r in run_history(Path(init).parent)) if init else 0
+    return Path(init).parent if init else None
+
+
+def steps_before(run: Path) -> int:
+    """Steps trained before ``run`` started: a warm restart continues its chain of earlier runs, so its points sit
+    after theirs on the curve."""
+    parent = restarted_from(run)
+    return sum(r["steps"] for r in run_history(parent)) if parent else 0
 
 
 def measure(target, draft, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -67,12 +73,16 @@ def plot(curves: dict[str, dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     for name, curve in curves.items():
         points = sorted(curve["points"], key=lambda p: p["step"])
+        parent = curves.get(curve.get("continues"))
+        if parent and parent["points"]:  # a warm restart's line starts at the point it restarted from
+            points.insert(0, max(parent["points"], key=lambda p: p["step"]))
         for ax, key in zip(axes, ["step", "supervised_tokens"], strict=True):
             ax.plot([p[key] for p in points], [p["tau"] for p in points], "o-", label=name)
     reference = next((c["reference"] for c in curves.values() if c.get("reference")), None)
     for ax, label in zip(axes, ["training steps", "supervised (anchor, slot) tokens"], strict=True):
         if reference:
-            ax.axhline(reference["tau"], color="grey", ls="--", label=f"shipped draft ({reference['tau']:.2f})")
+            ref_label = f"reference: draft shipped then ({reference['tau']:.2f})"
+            ax.axhline(reference["tau"], color="grey", ls="--", label=ref_label)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out τ (draft alone, fixed γ, greedy)")
@@ -112,6 +122,8 @@ def main() -> None:
         final = run / "final" / "train_config.json"
         anchors = json.loads(final.read_text())["anchors"] if final.is_file() else args.anchors
         before = steps_before(run)
+        if restarted_from(run):
+            curve["continues"] = restarted_from(run).name
         done = {p["step"] for p in curve["points"]}
         for step in kept_steps(run, args.every):
             if before + step in done:
