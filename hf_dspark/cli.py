@@ -104,7 +104,7 @@ def cmd_calibrate(args) -> None:
         rows = load_dataset(args.data)[: args.limit]
     report = calibrate_draft(
         target, args.draft, rows, blocks=args.blocks, seed=args.seed, source=args.source,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens, objective=args.objective,
     )  # fmt: skip
     print(json.dumps(report, indent=2))
 
@@ -271,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
         " --dtype with the draft as deployed (what the scheduler sees at run time)",
     )  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt, with --source decode")
+    p.add_argument("--objective", default="ece", choices=["ece", "brier"],
+                   help="what each temperature minimises: ECE (the paper's STS) or the Brier score of the prefix"
+                   " survival, which a constant prediction cannot game")  # fmt: skip
     p.set_defaults(func=cmd_calibrate)
     p = sub.add_parser("eval", help="τ, per-position acceptance, verify rate and tokens/s on eval prompts")
     common(p)

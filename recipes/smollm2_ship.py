@@ -98,14 +98,14 @@ def held_out_prompts(tokenizer) -> list[dict]:
     return [{"id": p.id, "prompt_ids": encode_prompt(tokenizer, p)} for p in prompts]
 
 
-def calibrate(folder: Path, how: str, blocks: int) -> None:
-    """Step 3: fit the folder's STS temperatures (in place) and print the report."""
+def calibrate(folder: Path, how: str, blocks: int, objective: str = "ece") -> None:
+    """Step 3: fit the folder's STS temperatures (in place, each minimising ``objective``) and print the report."""
     target, tokenizer = load_target(torch.bfloat16 if how == "decode" else torch.float32)
     if how == "decode":
         rows = [r for r in held_out_prompts(tokenizer) if len(r["prompt_ids"]) <= 512]
     else:
         rows = [r for r in load_dataset(ANSWERS) if is_held_out(r)]
-    report = calibrate_draft(target, folder, rows, blocks=blocks, source=how)
+    report = calibrate_draft(target, folder, rows, blocks=blocks, source=how, objective=objective)
     print(json.dumps(report, indent=1))
 
 
@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2000)
     ap.add_argument("--calibration", default="decode", choices=["decode", "teacher-forced"])
     ap.add_argument("--recalibrate", action="store_true", help="only refit the temperatures of --out")
+    ap.add_argument("--objective", default="ece", choices=["ece", "brier"], help="what STS minimises per position")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="most frequent answer tokens kept (0: all)")
     ap.add_argument("--threads", type=int, default=1, help="threads the run trained with (for training.json)")
     ap.add_argument("--name", default="hf-dspark/smollm2-135m-instruct-dspark", help="repository name in the card")
@@ -125,7 +126,7 @@ def main() -> None:
     ap.add_argument("--lookup", type=int, default=3, help="the shipped config's lookup_max_ngram (0: off)")
     args = ap.parse_args()
     if args.recalibrate:
-        calibrate(args.out, args.calibration, args.blocks)
+        calibrate(args.out, args.calibration, args.blocks, args.objective)
         write_card(args.out, name=args.name, target="HuggingFaceTB/SmolLM2-135M-Instruct")
         return
     run = STATE / args.run
@@ -173,7 +174,7 @@ def main() -> None:
         else "the whole vocabulary",
     }
     (tmp / "training.json").write_text(json.dumps(training, indent=2))
-    calibrate(tmp, args.calibration, args.blocks)
+    calibrate(tmp, args.calibration, args.blocks, args.objective)
     if args.out.exists():
         shutil.rmtree(args.out)
     tmp.rename(args.out)

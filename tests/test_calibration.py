@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_dspark.calibration import (
+    DEFAULT_GRID,
     calibration_report,
     ece,
     reliability_bins,
@@ -61,6 +62,22 @@ def test_sts_is_sequential_on_the_prefix_product():
 def test_sts_shape_error():
     with pytest.raises(ValueError, match=r"must both be \[N, γ\]"):
         sequential_temperature_scaling(torch.zeros(5, 3), torch.zeros(5, 4))
+    with pytest.raises(ValueError, match=r"objective must be one of \('ece', 'brier'\), got 'nll'"):
+        sequential_temperature_scaling(torch.zeros(5, 3), torch.zeros(5, 3), objective="nll")
+
+
+def test_ece_flattens_a_shifted_head_where_brier_keeps_its_ranking_useful():
+    """A head whose logits are shifted (z - 1.5 for a true acceptance σ(z)) rather than over-confident: ECE is
+    minimised by pushing every c_1 to the base rate (the grid's largest temperature), Brier by a finite one."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(20000, 3, generator=g)
+    accepted = (torch.rand(20000, 3, generator=g) < torch.sigmoid(z)).float()
+    logits = z - 1.5
+    by_ece = sequential_temperature_scaling(logits, accepted)
+    by_brier = sequential_temperature_scaling(logits, accepted, objective="brier")
+    assert by_ece[0] == max(DEFAULT_GRID) and by_brier[0] < 5
+    ece_fit, brier_fit = (calibration_report(logits, accepted, t)["after"] for t in (by_ece, by_brier))
+    assert brier_fit["brier"][0] < ece_fit["brier"][0] and ece_fit["ece"][0] < brier_fit["ece"][0]
 
 
 def test_reliability_bins_by_hand():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..calibration import calibration_report, reliability_plot, sequential_temperature_scaling
+from ..calibration import OBJECTIVES, calibration_report, reliability_plot, sequential_temperature_scaling
 from ..modeling_dspark import DSparkDraftModel
 from .data import left_pad
 from .features import target_outputs
@@ -108,6 +108,7 @@ def calibrate_draft(
     seed: int = 0,
     source: str = "teacher-forced",
     max_new_tokens: int = 128,
+    objective: str = "ece",
 ) -> dict:
     """Fit STS temperatures on ``rows`` (held-out prepared rows; ``decode`` reads only their ``prompt_ids``), write
     them into ``draft_dir``'s config (atomically) and return the report (also written to
@@ -115,9 +116,12 @@ def calibrate_draft(
 
     ``source="decode"`` runs the draft in the target's dtype, as deployed, and decodes ``rows``' prompts greedily, up to
     ``max_new_tokens`` each, until ``blocks`` full blocks are verified (see :func:`collect_decode_confidence`).
+    ``objective`` is what each temperature minimises: "ece" (the paper's) or "brier" (see :mod:`hf_dspark.calibration`).
     """
     if source not in ("teacher-forced", "decode"):
         raise ValueError(f"source must be 'teacher-forced' or 'decode', got {source!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     draft_dir = Path(draft_dir)
     draft = DSparkDraftModel.from_pretrained(draft_dir).attach(target)  # attach casts it to the target's dtype
     draft.config.sts_temperatures = None
@@ -129,10 +133,11 @@ def calibrate_draft(
         logits, accepted = collect_decode_confidence(target, draft, prompts, max_new_tokens, blocks=blocks)
     else:
         logits, accepted = collect_confidence_data(target, draft, rows, blocks, seed)
-    temps = sequential_temperature_scaling(logits, accepted)
+    temps = sequential_temperature_scaling(logits, accepted, objective=objective)
     report = calibration_report(logits, accepted, temps)
     report["blocks"] = int(logits.shape[0])
     report["source"] = source
+    report["objective"] = objective
     if source == "decode":
         report.update(dtype=str(target.dtype).removeprefix("torch."), max_new_tokens=max_new_tokens)
     # only the temperatures change on disk (the loaded config may carry the dtype it was loaded in)
