@@ -83,13 +83,11 @@ def test_exported_draft_decodes_identically_after_loading_back(tmp_path, head):
 
 
 def test_what_the_layout_cannot_hold_is_refused_with_the_remedy():
-    """The shipped SmolLM2 draft (Llama-style, learned mask vector) cannot be expressed: the error names both
-    remedies; a draft narrower than its target is refused too."""
-    from hf_dspark.embedded import DRAFT_DIR
-
-    shipped = DSparkDraftModel.from_pretrained(DRAFT_DIR)
+    """A Llama-style draft with a learned mask vector (the layout SmolLM2 drafts shipped in before 2026-12)
+    cannot be expressed: the error names both remedies; a draft narrower than its target is refused too."""
+    old_layout = DSparkDraftModel.from_target(tiny_target("llama"), block_size=4, head_rank=8)
     with pytest.raises(ValueError, match=r"qk_norm=True.*mask_token_id=<a spare token id>"):
-        export_speculators(shipped, "/nonexistent/never-written")
+        export_speculators(old_layout, "/nonexistent/never-written")
     target = tiny_target("qwen3")
     narrow = DSparkDraftModel.from_target(target, block_size=4, hidden_size=16, qk_norm=True, mask_token_id=7)
     with pytest.raises(ValueError, match=r"as wide as its target \(16 vs 32\)"):
@@ -150,6 +148,28 @@ def test_the_recipe_trains_drafts_that_export(smollm2, tmp_path):
         out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=d)
         outs.append((out.tolist(), d.stats.proposed, d.stats.accepted))
     assert outs[0] == outs[1]
+
+
+def test_the_shipped_draft_exports_and_decodes_identically_after_loading_back(smollm2, tmp_path):
+    """The SmolLM2 draft the package ships is in the exportable layout: through the speculators format and back,
+    its weights are unchanged and it decodes the same tokens with the same acceptance."""
+    from hf_dspark.embedded import DRAFT_DIR
+
+    target, tokenizer = smollm2
+    shipped = DSparkDraftModel.from_pretrained(DRAFT_DIR)
+    export_speculators(shipped, tmp_path / "spec", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    back = DSparkDraftModel.from_pretrained(tmp_path / "spec")
+    assert back.config.draft_vocab_size == shipped.config.draft_vocab_size == 8194
+    assert back.state_dict().keys() == shipped.state_dict().keys()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in shipped.state_dict().items())
+    ids = tokenizer("Write a Python function that reverses a string.", return_tensors="pt")["input_ids"]
+    outs = []
+    for d in (shipped, back):
+        d.config.verify_mode, d.config.lookup_max_ngram = "fixed", 0  # the draft alone, every block verified
+        out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=d)
+        outs.append((out.tolist(), d.stats.proposed, d.stats.accepted))
+    assert outs[0] == outs[1] and outs[0][2] > 0
+    assert outs[0][0] == target.generate(ids, max_new_tokens=16, do_sample=False).tolist()
 
 
 def test_a_malformed_speculators_checkpoint_is_refused_by_name(tmp_path):
