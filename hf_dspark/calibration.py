@@ -6,9 +6,10 @@ for k = 1..γ in order and holding T_1..T_{k-1} fixed, the temperature T_k appli
 minimises the ECE of a_k against the observed "first k all accepted" outcome. A positive temperature is monotone,
 so the ranking of c_k is unchanged.
 
-ECE (the paper's objective) is also minimised by a constant prediction at the base rate: when a head's logits are
-shifted rather than over-confident, the search runs to the grid's largest temperature, every c_k lands near ½ and
-the scheduler loses what the head knew about which blocks are good. ``objective="brier"`` minimises the Brier
+ECE (the paper's objective) is also minimised by a constant prediction at the base rate: when a head is already
+near calibrated, or its logits are shifted rather than over-confident, the search can run to the grid's largest
+temperature, every c_k lands near ½ and the scheduler loses what the head knew about which blocks are good (the
+shipped SmolLM2 draft: benchmarks/results/sts_objective/). ``objective="brier"`` minimises the Brier
 score of a_k instead, a proper scoring rule that a constant cannot game (it rewards resolution as well as
 calibration); the report gives both scores either way.
 """
