@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "recipes"))
 
 from smollm2_heldout import heldout_stats  # noqa: E402
 from smollm2_ship import held_out_prompts, load_run, run_history  # noqa: E402
-from smollm2_train import STATE  # noqa: E402
+from smollm2_train import STATE, restarted_from  # noqa: E402
 
 from hf_dspark import DSparkDraftModel  # noqa: E402
 from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
@@ -41,20 +41,6 @@ def kept_steps(run: Path, every: int) -> list[int]:
     if final.is_file():
         steps.add(json.loads(final.read_text())["steps"])
     return sorted(steps)
-
-
-def restarted_from(run: Path) -> Path | None:
-    """The run folder a warm restart (``--init-from <run>/final``) continues, or ``None``."""
-    recipe = run / "recipe.json"
-    init = json.loads(recipe.read_text()).get("init_from") if recipe.is_file() else None
-    return Path(init).parent if init else None
-
-
-def steps_before(run: Path) -> int:
-    """Steps trained before ``run`` started: a warm restart continues its chain of earlier runs, so its points sit
-    after theirs on the curve."""
-    parent = restarted_from(run)
-    return sum(r["steps"] for r in run_history(parent)) if parent else 0
 
 
 def measure(target, draft, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -121,9 +107,10 @@ def main() -> None:
             )
         final = run / "final" / "train_config.json"
         anchors = json.loads(final.read_text())["anchors"] if final.is_file() else args.anchors
-        before = steps_before(run)
-        if restarted_from(run):
-            curve["continues"] = restarted_from(run).name
+        parent = restarted_from(run)  # a warm restart's steps count on from the runs it continues
+        before = sum(r["steps"] for r in run_history(parent)) if parent else 0
+        if parent:
+            curve["continues"] = parent.name
         done = {p["step"] for p in curve["points"]}
         for step in kept_steps(run, args.every):
             if before + step in done:

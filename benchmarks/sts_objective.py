@@ -62,9 +62,8 @@ def main() -> None:
     draft.config.sts_temperatures = None
     prompts = [r["prompt_ids"] for r in held_out_prompts(tokenizer) if len(r["prompt_ids"]) <= 512]
     logits, accepted = collect_decode_confidence(target, draft, prompts, 128, blocks=args.blocks)
-    draft_name = (
-        str(args.draft.resolve().relative_to(ROOT)) if args.draft.resolve().is_relative_to(ROOT) else str(args.draft)
-    )
+    where = args.draft.resolve()
+    draft_name = str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(where)
     report = {"draft": draft_name, "blocks": int(logits.shape[0]), "fits": {}}
     for objective in OBJECTIVES:
         temps = sequential_temperature_scaling(logits, accepted, objective=objective)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from smollm2_prepare import ANSWERS, recipe_prompts
-from smollm2_train import MASK_TOKEN, STATE, build_draft, is_held_out
+from smollm2_train import MASK_TOKEN, STATE, build_draft, is_held_out, restarted_from
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.cards import write_card
@@ -69,9 +69,8 @@ def run_history(run: Path) -> list[dict]:
     chain = []
     while run is not None:
         cfg = json.loads((run / "final" / "train_config.json").read_text())
-        recipe = json.loads((run / "recipe.json").read_text()) if (run / "recipe.json").is_file() else {}
         chain.append({"run": run.name, **{k: cfg[k] for k in ("steps", "lr", "seed", "anchors")}})
-        run = Path(recipe["init_from"]).parent if recipe.get("init_from") else None
+        run = restarted_from(run)
     return chain[::-1]
 
 

@@ -82,6 +82,13 @@ def record_recipe(out: Path, args: argparse.Namespace) -> None:
         path.write_text(json.dumps(recipe))
 
 
+def restarted_from(run: Path) -> Path | None:
+    """The run folder a warm restart (``--init-from <run>/final``, kept in ``recipe.json``) continues, or ``None``."""
+    recipe = run / "recipe.json"
+    init = json.loads(recipe.read_text()).get("init_from") if recipe.is_file() else None
+    return Path(init).parent if init else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head", default="markov", choices=["markov", "none", "gated", "rnn"])
