@@ -72,14 +72,29 @@ def start_from(draft: DSparkDraftModel, finished: Path) -> torch.Tensor | None:
     return vocab
 
 
-def record_recipe(out: Path, args: argparse.Namespace) -> None:
-    """Keep the first start's arguments in ``<run>/recipe.json``: the ship step rebuilds the command from them and
-    follows ``init_from`` back through a continued run's history."""
+def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
+    """Keep the first start's arguments and data size (``rows``: answer rows read, held-out ones included) in
+    ``<run>/recipe.json``: the ship step rebuilds the command from them and follows ``init_from`` back through a
+    continued run's history."""
     path = out / "recipe.json"
     if not path.exists():
-        keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from")
+        keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data")
         recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}
-        path.write_text(json.dumps(recipe))
+        path.write_text(json.dumps({**recipe, "rows": rows}))
+
+
+def run_rows(run: Path, rows: list[dict], first: int | None = None) -> list[dict]:
+    """The answer rows ``run`` trains on: the first N of the append-only answers, N from its ``recipe.json`` (what
+    its first start read) or else ``first`` (``--rows``), so a resumed run, its ablation and the ship step read the
+    same data while regeneration appends more. With neither, all of them."""
+    recipe = run / "recipe.json"
+    pinned = json.loads(recipe.read_text()).get("rows") if recipe.is_file() else None
+    pinned = first if pinned is None else pinned
+    if pinned is None:
+        return rows
+    if len(rows) < pinned:
+        raise ValueError(f"run {run.name} started on {pinned} answer rows, but only {len(rows)} are here")
+    return rows[:pinned]
 
 
 def restarted_from(run: Path) -> Path | None:
@@ -101,6 +116,8 @@ def main() -> None:
     ap.add_argument("--init-from", type=Path, default=None,
                     help="start from this finished draft's weights and draft vocabulary (a new run only)")  # fmt: skip
     ap.add_argument("--data", type=Path, default=ANSWERS, help="regenerated answers (a file or shard folder)")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="train on the first N answer rows (default: all; a resume keeps its own)")  # fmt: skip
     ap.add_argument("--run", default=None, help="run folder under the state dir (default run-<head>[-speculators])")
     ap.add_argument(
         "--layout",
@@ -115,8 +132,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # subnormal floats cost some steps 10-35% (benchmarks/train_throughput.py)
-    rows = [r for r in load_dataset(args.data) if not is_held_out(r)]
     out = STATE / (args.run or f"run-{args.head}" + ("-speculators" if args.layout == "speculators" else ""))
+    answers = run_rows(out, load_dataset(args.data), args.rows)
+    rows = [r for r in answers if not is_held_out(r)]
     target, tokenizer = load_target()
     draft = build_draft(target, args.head, spare_token(tokenizer, rows) if args.layout == "speculators" else None)
     init_vocab = None if args.init_from is None else start_from(draft, args.init_from)
@@ -135,7 +153,7 @@ def main() -> None:
     )
     log = out / "log.jsonl"
     out.mkdir(parents=True, exist_ok=True)
-    record_recipe(out, args)
+    record_recipe(out, args, len(answers))
     vocab = saved_vocab(out)  # fixed at the run's first start, so resumed runs and the ship step agree
     if vocab is None and init_vocab is not None:
         vocab = init_vocab

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 try:
     from smollm2_ship import run_history, train_command
-    from smollm2_train import build_draft, record_recipe, start_from
+    from smollm2_train import build_draft, record_recipe, run_rows, start_from
 finally:
     sys.path.remove(str(ROOT / "recipes"))
 
@@ -42,7 +42,9 @@ def test_a_new_run_starts_from_a_finished_drafts_weights_and_vocabulary(tmp_path
         start_from(other_layout, tmp_path / "final")
 
 
-def write_run(state: Path, name: str, steps: int, lr: float, seed: int, init_from: str | None) -> Path:
+def write_run(
+    state: Path, name: str, steps: int, lr: float, seed: int, init_from: str | None, rows: int = 3000
+) -> Path:
     run = state / name
     (run / "final").mkdir(parents=True)
     cfg = {"steps": steps, "lr": lr, "seed": seed, "anchors": 96, "min_lr_ratio": 0.1}
@@ -51,28 +53,44 @@ def write_run(state: Path, name: str, steps: int, lr: float, seed: int, init_fro
         head="markov", steps=steps, anchors=96, lr=lr, seed=seed, layout="speculators", threads=2,
         init_from=None if init_from is None else state / init_from / "final",
     )  # fmt: skip
-    record_recipe(run, args)
+    record_recipe(run, args, rows)
     return run
 
 
 def test_the_ship_step_follows_warm_restarts_back_to_the_first_run(tmp_path):
-    write_run(tmp_path, "first", 4000, 3e-3, 0, None)
-    write_run(tmp_path, "second", 6000, 2e-3, 1, "first")
-    third = write_run(tmp_path, "third", 500, 1e-3, 2, "second")
+    write_run(tmp_path, "first", 4000, 3e-3, 0, None, rows=3000)
+    write_run(tmp_path, "second", 6000, 2e-3, 1, "first", rows=3000)
+    third = write_run(tmp_path, "third", 500, 1e-3, 2, "second", rows=3500)
     recipe = json.loads((third / "recipe.json").read_text())
     assert "threads" not in recipe and recipe["init_from"] == str(tmp_path / "second" / "final")
-    record_recipe(third, argparse.Namespace(head="none", steps=1, init_from=None))  # a resume keeps the first start's
+    record_recipe(third, argparse.Namespace(head="none", steps=1, init_from=None), 9999)  # a resume keeps the first
     assert json.loads((third / "recipe.json").read_text()) == recipe
 
     chain = run_history(third)
-    assert [(r["run"], r["steps"], r["lr"], r["seed"]) for r in chain] == [
-        ("first", 4000, 3e-3, 0),
-        ("second", 6000, 2e-3, 1),
-        ("third", 500, 1e-3, 2),
+    assert [(r["run"], r["steps"], r["lr"], r["seed"], r["rows"]) for r in chain] == [
+        ("first", 4000, 3e-3, 0, 3000),
+        ("second", 6000, 2e-3, 1, 3000),
+        ("third", 500, 1e-3, 2, 3500),
     ]
     command = train_command("markov", chain).split(" && ")
-    assert command[0] == "python recipes/smollm2_train.py --head markov --run first --steps 4000 --anchors 96"
+    assert command[0] == (
+        "python recipes/smollm2_train.py --head markov --run first --steps 4000 --anchors 96 --rows 3000"
+    )
     assert command[2] == (
         "python recipes/smollm2_train.py --head markov --run third --steps 500 --anchors 96 --lr 0.001 --seed 2"
-        " --init-from <state>/second/final"
+        " --rows 3500 --init-from <state>/second/final"
     )
+
+
+def test_a_run_reads_the_answer_rows_its_first_start_read(tmp_path):
+    rows = [{"id": f"gsm8k_train:{i}"} for i in range(10)]
+    fresh = tmp_path / "fresh"
+    assert run_rows(fresh, rows) == rows
+    assert run_rows(fresh, rows, first=4) == rows[:4]
+    fresh.mkdir()
+    record_recipe(fresh, argparse.Namespace(head="markov", steps=1, init_from=None), 6)
+    grown = [*rows, {"id": "codealpaca:1"}]  # regeneration appended a row since
+    assert run_rows(fresh, grown) == rows[:6]
+    assert run_rows(fresh, grown, first=9) == rows[:6]  # the run keeps what it started on
+    with pytest.raises(ValueError, match="run fresh started on 6 answer rows, but only 5 are here"):
+        run_rows(fresh, rows[:5])
