@@ -70,11 +70,25 @@ def run_history(run: Path) -> list[dict]:
     while run is not None:
         cfg = json.loads((run / "final" / "train_config.json").read_text())
         recipe = json.loads((run / "recipe.json").read_text()) if (run / "recipe.json").is_file() else {}
+        weights = cfg.get("loss_weights", {})
         chain.append(
-            {"run": run.name, **{k: cfg[k] for k in ("steps", "lr", "seed", "anchors")}, "rows": recipe.get("rows")}
+            {
+                "run": run.name,
+                **{k: cfg[k] for k in ("steps", "lr", "seed", "anchors")},
+                "rows": recipe.get("rows"),
+                "ce": weights.get("ce", 1.0),
+                "kd": weights.get("kd", 0.0),
+            }
         )
         run = restarted_from(run)
     return chain[::-1]
+
+
+def loss_terms(run: dict) -> str:
+    """A run's loss as written in training.json, e.g. ``1.0 CE + 0.1 TV + 1.0 confidence BCE``."""
+    terms = [f"{run.get('ce', 1.0):.1f} CE"] if run.get("ce", 1.0) else []
+    terms += ["0.1 TV", "1.0 confidence BCE"] + ([f"{run['kd']:.1f} KD"] if run.get("kd") else [])
+    return " + ".join(terms)
 
 
 def train_command(head: str, chain: list[dict]) -> str:
@@ -89,6 +103,10 @@ def train_command(head: str, chain: list[dict]) -> str:
             cmd += f" --seed {r['seed']}"
         if r.get("rows"):
             cmd += f" --rows {r['rows']}"
+        if r.get("ce", 1.0) != 1.0:
+            cmd += f" --ce {r['ce']:g}"
+        if r.get("kd"):
+            cmd += f" --kd {r['kd']:g}"
         if i:
             cmd += f" --init-from <state>/{chain[i - 1]['run']}/final"
         parts.append(cmd)
@@ -167,7 +185,9 @@ def main() -> None:
         f" {sum(len(r['response_ids']) for r in train_rows)} answer tokens; {len(held_out)} held out for STS",
         "steps": f"{steps} (1 sequence x {anchors} anchor blocks per step, AdamW: {schedules}"
         + (", each later run a warm restart from the previous one's final draft" if len(chain) > 1 else "")
-        + "; loss 1.0 CE + 0.1 TV + 1.0 confidence BCE)",
+        + "; loss "
+        + "; ".join(sorted({loss_terms(r) for r in chain}))
+        + ")",
         "hardware": f"CPU, {args.threads} thread(s), {cfg.get('s_per_step', '?')} s/step",
         "target weights": TARGET_WEIGHTS,
         **({"history": args.note} if args.note else {}),

@@ -78,7 +78,7 @@ def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
     continued run's history."""
     path = out / "recipe.json"
     if not path.exists():
-        keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data")
+        keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd")
         recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}
         path.write_text(json.dumps({**recipe, "rows": rows}))
 
@@ -125,6 +125,8 @@ def main() -> None:
         choices=["speculators", "ours"],
         help="speculators: exportable to vLLM's format (q/k norms, a mask token); ours: as shipped before",
     )
+    ap.add_argument("--ce", type=float, default=1.0, help="weight of CE on the answer's next token")
+    ap.add_argument("--kd", type=float, default=0.0, help="weight of distillation on the target's distribution")
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
                     help="bf16 autocast (master weights stay float32)")  # fmt: skip
     ap.add_argument("--draft-vocab", type=int, default=8192,
@@ -148,7 +150,7 @@ def main() -> None:
         save_every=100,
         milestone_every=args.milestone_every,
         log_every=20,
-        loss_weights=LossWeights(ce=1.0, tv=0.1, conf=1.0),
+        loss_weights=LossWeights(ce=args.ce, tv=0.1, conf=1.0, kd=args.kd),
         mixed_precision=args.mixed_precision,
     )
     log = out / "log.jsonl"

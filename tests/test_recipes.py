@@ -13,7 +13,7 @@ from hf_dspark.testing import tiny_target
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 try:
-    from smollm2_ship import run_history, train_command
+    from smollm2_ship import loss_terms, run_history, train_command
     from smollm2_train import build_draft, record_recipe, run_rows, start_from
 finally:
     sys.path.remove(str(ROOT / "recipes"))
@@ -43,11 +43,12 @@ def test_a_new_run_starts_from_a_finished_drafts_weights_and_vocabulary(tmp_path
 
 
 def write_run(
-    state: Path, name: str, steps: int, lr: float, seed: int, init_from: str | None, rows: int = 3000
+    state: Path, name: str, steps: int, lr: float, seed: int, init_from: str | None, rows: int = 3000, kd: float = 0
 ) -> Path:
     run = state / name
     (run / "final").mkdir(parents=True)
-    cfg = {"steps": steps, "lr": lr, "seed": seed, "anchors": 96, "min_lr_ratio": 0.1}
+    weights = {"ce": 1.0 - kd, "tv": 0.1, "conf": 1.0, "kd": kd}
+    cfg = {"steps": steps, "lr": lr, "seed": seed, "anchors": 96, "min_lr_ratio": 0.1, "loss_weights": weights}
     (run / "final" / "train_config.json").write_text(json.dumps(cfg))
     args = argparse.Namespace(
         head="markov", steps=steps, anchors=96, lr=lr, seed=seed, layout="speculators", threads=2,
@@ -60,7 +61,7 @@ def write_run(
 def test_the_ship_step_follows_warm_restarts_back_to_the_first_run(tmp_path):
     write_run(tmp_path, "first", 4000, 3e-3, 0, None, rows=3000)
     write_run(tmp_path, "second", 6000, 2e-3, 1, "first", rows=3000)
-    third = write_run(tmp_path, "third", 500, 1e-3, 2, "second", rows=3500)
+    third = write_run(tmp_path, "third", 500, 1e-3, 2, "second", rows=3500, kd=1.0)
     recipe = json.loads((third / "recipe.json").read_text())
     assert "threads" not in recipe and recipe["init_from"] == str(tmp_path / "second" / "final")
     record_recipe(third, argparse.Namespace(head="none", steps=1, init_from=None), 9999)  # a resume keeps the first
@@ -78,8 +79,12 @@ def test_the_ship_step_follows_warm_restarts_back_to_the_first_run(tmp_path):
     )
     assert command[2] == (
         "python recipes/smollm2_train.py --head markov --run third --steps 500 --anchors 96 --lr 0.001 --seed 2"
-        " --rows 3500 --init-from <state>/second/final"
+        " --rows 3500 --ce 0 --kd 1 --init-from <state>/second/final"
     )
+    assert [loss_terms(r) for r in chain[1:]] == [
+        "1.0 CE + 0.1 TV + 1.0 confidence BCE",
+        "0.1 TV + 1.0 confidence BCE + 1.0 KD",
+    ]
 
 
 def test_a_run_reads_the_answer_rows_its_first_start_read(tmp_path):

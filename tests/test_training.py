@@ -534,3 +534,30 @@ def test_cli_calibrate_from_prompt_files(setup, tmp_path):
         main([*base, "--prompts", str(prompts)])
     with pytest.raises(ValueError, match="2 of 2 have none"):
         calibrate_draft(target, tmp_path / "draft", [{"id": "a"}, {"id": "b"}], source="decode")
+
+
+def test_distillation_term_pulls_the_draft_to_the_targets_distribution(setup):
+    """KD = -Σ p_t log p_d per slot, weighted like TV: its gradient w.r.t. a slot's draft logits is
+    (p_d - p_t)·w/Σw, zero where the draft already equals the target; with kd = 0 the loss has no KD term."""
+    from hf_dspark.training.losses import LossWeights, block_losses
+
+    target, rows = setup
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    pred = block_predictions(draft, *_batch(target, draft, rows))
+    assert "kd" not in block_losses(pred, LossWeights(), 4.0)
+
+    pred.confidence_logits = pred.confidence_logits.detach()  # the draft's graph is not under test
+    logits = pred.logits.detach().clone().requires_grad_(True)
+    pred.logits = logits
+    out = block_losses(pred, LossWeights(ce=0.0, tv=0.0, conf=0.0, kd=1.0), 4.0)
+    out["loss"].backward()
+    k = torch.arange(logits.shape[2]).float()
+    w = torch.exp(-k / 4.0) * pred.has_label
+    p_t = pred.target_logprobs.exp()
+    expected = (logits.detach().softmax(-1) - p_t) * (w / w.sum())[..., None]
+    torch.testing.assert_close(logits.grad, expected, atol=1e-7, rtol=1e-4)
+
+    pred.logits = pred.target_logprobs.clone()  # a draft that is the target: the gradient vanishes
+    pred.logits.requires_grad_(True)
+    block_losses(pred, LossWeights(ce=0.0, tv=0.0, conf=0.0, kd=1.0), 4.0)["loss"].backward()
+    assert pred.logits.grad.abs().max() < 1e-6

@@ -4,7 +4,11 @@ For each anchor a, the block [x_a, mask, …] predicts x_{a+1..a+γ}; it sees th
 (block-sparse mask) and its own γ slots bidirectionally. The sequential head is teacher-forced with the true
 previous tokens. Position weights w_k = exp(-(k-1)/decay), zero past the end of the sequence.
 
-    L = w_ce·CE + w_tv·‖p_d - p_t‖₁ + w_conf·BCE(c, 1 - ½‖p_d - p_t‖₁)
+    L = w_ce·CE + w_tv·‖p_d - p_t‖₁ + w_conf·BCE(c, 1 - ½‖p_d - p_t‖₁) + w_kd·KD,   KD = -Σ_v p_t(v) log p_d(v)
+
+CE fits the answer's own next token (a sample of the target when answers are regenerated at a temperature); KD,
+off by default, fits the target's whole next-token distribution at the same slot (distillation: the same optimum,
+without the sampling noise of one drawn token).
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from .features import target_statistics
 
 @dataclass
 class LossWeights:
+    """Weights of the loss terms (see the module docstring)."""
+
     ce: float = 0.1
     tv: float = 0.9
     conf: float = 1.0
+    kd: float = 0.0
 
 
 def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.Tensor:
@@ -179,6 +186,10 @@ def block_losses(pred: BlockPredictions, weights: LossWeights, decay: float) -> 
     soft = (1 - 0.5 * l1).clamp(0, 1).detach()
     losses = {"ce": ce, "tv": tv}
     loss = weights.ce * ce + weights.tv * tv
+    if weights.kd:
+        # the target's mass outside the columns has no draft column to go to: the term covers the columns only
+        losses["kd"] = (-(p_t * logp_d).sum(-1) * w).sum() / norm
+        loss = loss + weights.kd * losses["kd"]
     if pred.confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(pred.confidence_logits, soft, reduction="none")
         losses["conf"] = (bce * w).sum() / norm
