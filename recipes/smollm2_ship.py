@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from smollm2_prepare import ANSWERS, recipe_prompts
-from smollm2_train import MASK_TOKEN, STATE, build_draft, is_held_out, restarted_from, run_rows
+from smollm2_train import MASK_TOKEN, STATE, build_draft, is_held_out, read_recipe, restarted_from, run_rows
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.cards import write_card
@@ -64,31 +64,30 @@ def load_run(target, tokenizer, run: Path, head: str, checkpoint: int | None) ->
 
 def run_history(run: Path) -> list[dict]:
     """The training runs behind ``run``'s draft, oldest first: each its folder name and final settings (steps, lr,
-    seed, anchors from ``final/train_config.json``; answer rows read from ``recipe.json``, None if not kept),
-    following ``recipe.json``'s ``init_from`` back through warm restarts."""
+    seed, anchors, loss weights from ``final/train_config.json``; answer rows read from ``recipe.json``, None if
+    not kept), following ``recipe.json``'s ``init_from`` back through warm restarts."""
     chain = []
     while run is not None:
         cfg = json.loads((run / "final" / "train_config.json").read_text())
-        recipe = json.loads((run / "recipe.json").read_text()) if (run / "recipe.json").is_file() else {}
-        weights = cfg.get("loss_weights", {})
         chain.append(
             {
                 "run": run.name,
-                **{k: cfg[k] for k in ("steps", "lr", "seed", "anchors")},
-                "rows": recipe.get("rows"),
-                "ce": weights.get("ce", 1.0),
-                "kd": weights.get("kd", 0.0),
+                **{k: cfg[k] for k in ("steps", "lr", "seed", "anchors", "loss_weights")},
+                "rows": read_recipe(run).get("rows"),
             }
         )
         run = restarted_from(run)
     return chain[::-1]
 
 
+LOSS_NAMES = {"ce": "CE", "tv": "TV", "conf": "confidence BCE", "kd": "KD"}
+
+
 def loss_terms(run: dict) -> str:
-    """A run's loss as written in training.json, e.g. ``1.0 CE + 0.1 TV + 1.0 confidence BCE``."""
-    terms = [f"{run.get('ce', 1.0):.1f} CE"] if run.get("ce", 1.0) else []
-    terms += ["0.1 TV", "1.0 confidence BCE"] + ([f"{run['kd']:.1f} KD"] if run.get("kd") else [])
-    return " + ".join(terms)
+    """A run's loss (its ``loss_weights``) as written in training.json, e.g. ``1.0 CE + 0.1 TV + 1.0 confidence
+    BCE``; terms of weight 0 are left out."""
+    weights = run["loss_weights"]
+    return " + ".join(f"{weights[k]:.1f} {name}" for k, name in LOSS_NAMES.items() if weights.get(k))
 
 
 def train_command(head: str, chain: list[dict]) -> str:
@@ -103,10 +102,11 @@ def train_command(head: str, chain: list[dict]) -> str:
             cmd += f" --seed {r['seed']}"
         if r.get("rows"):
             cmd += f" --rows {r['rows']}"
-        if r.get("ce", 1.0) != 1.0:
-            cmd += f" --ce {r['ce']:g}"
-        if r.get("kd"):
-            cmd += f" --kd {r['kd']:g}"
+        ce, kd = r["loss_weights"]["ce"], r["loss_weights"].get("kd", 0.0)
+        if ce != 1.0:
+            cmd += f" --ce {ce:g}"
+        if kd:
+            cmd += f" --kd {kd:g}"
         if i:
             cmd += f" --init-from <state>/{chain[i - 1]['run']}/final"
         parts.append(cmd)

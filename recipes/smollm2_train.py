@@ -83,13 +83,18 @@ def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
         path.write_text(json.dumps({**recipe, "rows": rows}))
 
 
+def read_recipe(run: Path) -> dict:
+    """``run``'s ``recipe.json`` (its first start's arguments and row count, see :func:`record_recipe`), or ``{}``
+    for a run from before the record."""
+    path = run / "recipe.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def run_rows(run: Path, rows: list[dict], first: int | None = None) -> list[dict]:
     """The answer rows ``run`` trains on: the first N of the append-only answers, N from its ``recipe.json`` (what
     its first start read) or else ``first`` (``--rows``), so a resumed run, its ablation and the ship step read the
     same data while regeneration appends more. With neither, all of them."""
-    recipe = run / "recipe.json"
-    pinned = json.loads(recipe.read_text()).get("rows") if recipe.is_file() else None
-    pinned = first if pinned is None else pinned
+    pinned = read_recipe(run).get("rows", first)
     if pinned is None:
         return rows
     if len(rows) < pinned:
@@ -99,8 +104,7 @@ def run_rows(run: Path, rows: list[dict], first: int | None = None) -> list[dict
 
 def restarted_from(run: Path) -> Path | None:
     """The run folder a warm restart (``--init-from <run>/final``, kept in ``recipe.json``) continues, or ``None``."""
-    recipe = run / "recipe.json"
-    init = json.loads(recipe.read_text()).get("init_from") if recipe.is_file() else None
+    init = read_recipe(run).get("init_from")
     return Path(init).parent if init else None
 
 
