@@ -71,13 +71,20 @@ def test_dataset_names_resolve_inside_the_package():
 def test_training_prompts_ship_and_make_the_recipe_mix():
     sys.path.insert(0, str(ROOT / "recipes"))
     try:
-        from smollm2_prepare import COUNTS, recipe_prompts
+        from smollm2_prepare import ANSWERS, COUNTS, EXTRA, recipe_prompts
     finally:
         sys.path.remove(str(ROOT / "recipes"))
     prompts = recipe_prompts()
-    by_source = {name: sum(p.source == name for p in prompts) for name in COUNTS}
-    assert by_source == COUNTS
+    mix, extra = prompts[: sum(COUNTS.values())], prompts[sum(COUNTS.values()) :]
+    assert {name: sum(p.source == name for p in mix) for name in COUNTS} == COUNTS
+    assert {name: sum(p.source == name for p in extra) for name in EXTRA} == EXTRA and len(extra) == sum(EXTRA.values())
     assert len({p.id for p in prompts}) == len(prompts)
+    # The committed answers were regenerated in this order, so it must never change: they are (nearly) a prefix of
+    # it, the gaps being prompts over the length limit (~1%) and a batch in progress.
+    order = {p.id: i for i, p in enumerate(prompts)}
+    answered = [r["id"] for r in load_dataset(ANSWERS)]
+    last = max(order[i] for i in answered)
+    assert len(answered) > 4000 and last + 1 - len(answered) < 0.03 * len(answered)
     with pytest.raises(ValueError, match="eval/ folder"):
         read_prompts(eval_dir() / "gsm8k.jsonl")
 
