@@ -19,6 +19,7 @@ import argparse
 import json
 import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,7 +27,16 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from smollm2_prepare import ANSWERS, recipe_prompts
-from smollm2_train import MASK_TOKEN, STATE, build_draft, is_held_out, read_recipe, restarted_from, run_rows
+from smollm2_train import (
+    MASK_TOKEN,
+    STATE,
+    build_draft,
+    is_held_out,
+    read_recipe,
+    recipe_loss,
+    restarted_from,
+    run_rows,
+)
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.cards import write_card
@@ -78,6 +88,19 @@ def run_history(run: Path) -> list[dict]:
         )
         run = restarted_from(run)
     return chain[::-1]
+
+
+def unfinished_run(run: Path, step: int) -> dict:
+    """:func:`run_history`'s entry for a run stopped at ``step`` (no ``final/`` yet): its first start's settings
+    from ``recipe.json``, the recipe's defaults for a run from before the record."""
+    recipe = read_recipe(run)
+    return {
+        "run": run.name,
+        "steps": step,
+        **{k: recipe.get(k, default) for k, default in (("lr", 3e-3), ("seed", 0), ("anchors", 48))},
+        "loss_weights": asdict(recipe_loss(recipe.get("ce", 1.0), recipe.get("kd", 0.0))),
+        "rows": recipe.get("rows"),
+    }
 
 
 LOSS_NAMES = {"ce": "CE", "tv": "TV", "conf": "confidence BCE", "kd": "KD"}
@@ -171,8 +194,8 @@ def main() -> None:
     cfg = json.loads((run / "log.jsonl").read_text().splitlines()[-1])
     if (run / "final").is_dir():
         chain = run_history(run)
-    else:  # an unfinished run shipped from a checkpoint: its own steps only
-        chain = [{"run": args.run, "steps": step, "lr": 3e-3, "seed": 0, "anchors": 48}]
+    else:  # an unfinished run shipped from a checkpoint: its own steps so far, settings from its recipe.json
+        chain = [unfinished_run(run, step)]
     anchors = chain[-1]["anchors"]
     steps = " + ".join(str(r["steps"]) for r in chain)
     schedules = "; ".join(f"lr {r['lr']:g} warmup + cosine over {r['steps']} steps" for r in chain)

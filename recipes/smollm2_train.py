@@ -72,6 +72,11 @@ def start_from(draft: DSparkDraftModel, finished: Path) -> torch.Tensor | None:
     return vocab
 
 
+def recipe_loss(ce: float = 1.0, kd: float = 0.0) -> LossWeights:
+    """The recipe's loss: ``ce`` CE + ``kd`` KD (``--ce``/``--kd``) + 0.1 TV + 1.0 confidence BCE."""
+    return LossWeights(ce=ce, tv=0.1, conf=1.0, kd=kd)
+
+
 def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
     """Keep the first start's arguments and data size (``rows``: answer rows read, held-out ones included) in
     ``<run>/recipe.json``: the ship step rebuilds the command from them and follows ``init_from`` back through a
@@ -154,7 +159,7 @@ def main() -> None:
         save_every=100,
         milestone_every=args.milestone_every,
         log_every=20,
-        loss_weights=LossWeights(ce=args.ce, tv=0.1, conf=1.0, kd=args.kd),
+        loss_weights=recipe_loss(args.ce, args.kd),
         mixed_precision=args.mixed_precision,
     )
     log = out / "log.jsonl"
