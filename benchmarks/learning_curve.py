@@ -1,15 +1,15 @@
 """Learning curve of SmolLM2 training runs: held-out τ of each kept checkpoint, against steps and supervised tokens.
 
-    python benchmarks/learning_curve.py --run run5k-markov-a96 [--run ...] [--prompts 24] [--threads 2]
+    python benchmarks/learning_curve.py --run run5k-markov-a96 [--run ...] [--prompts 24] [--source S] [--threads 2]
         [--out benchmarks/results/learning_curve]
 
 For every ``checkpoint-N`` a run kept (``--milestone-every`` in the recipe) and its final draft: greedy DSpark
-decoding by the draft alone (fixed γ, no lookup) of the recipe's held-out prompts (never trained on; not the eval
-sets, which stay for the final measurement), bfloat16 target, 128 new tokens; the shipped draft on the same prompts
-is the reference line. Supervised tokens = steps × sequences per step × anchors × γ (the (anchor, slot) pairs a
-run trains on; a few fall past the end of an answer); a warm restart's steps count on from the runs it continues.
-Results accumulate in ``<out>/<run>.json`` (a checkpoint already measured with the same prompts is not measured
-again), and ``<out>/learning_curve.png`` plots them all.
+decoding by the draft alone (fixed γ, no lookup) of the recipe's held-out prompts (all sources, or only
+``--source``'s; never trained on; not the eval sets, which stay for the final measurement), bfloat16 target, 128 new
+tokens; the shipped draft on the same prompts is the reference line. Supervised tokens = steps × sequences per step
+× anchors × γ (the (anchor, slot) pairs a run trains on; a few fall past the end of an answer); a warm restart's
+steps count on from the runs it continues. Results accumulate in ``<out>/<run>.json`` (a checkpoint already
+measured with the same prompts is not measured again), and ``<out>/learning_curve.png`` plots them all.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=96, help="anchors per sequence of runs without a final config")
     ap.add_argument("--every", type=int, default=1000, help="measure checkpoints at multiples of this step")
     ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--source", default=None, help="only held-out prompts of this source (e.g. sharegpt_prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_curve")
@@ -91,8 +92,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target32, tokenizer = load_target()
     target, _ = load_target(torch.bfloat16)
-    prompts = [r["prompt_ids"] for r in held_out_prompts(tokenizer) if len(r["prompt_ids"]) <= 512][: args.prompts]
+    rows = [r for r in held_out_prompts(tokenizer) if len(r["prompt_ids"]) <= 512]
+    if args.source is not None:
+        rows = [r for r in rows if r["id"].split(":")[0] == args.source]
+        if not rows:
+            raise SystemExit(f"no held-out prompts of source {args.source!r}")
+    prompts = [r["prompt_ids"] for r in rows][: args.prompts]
     setting = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "target": "bfloat16"}
+    if args.source is not None:  # a new key only when set, so curves measured before still compare
+        setting["source"] = args.source
     args.out.mkdir(parents=True, exist_ok=True)
     curves = {}
     for name in args.run:
