@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
     ap.add_argument("--batch-size", type=int, default=1, help="sequences per step (the recipe: 1)")
     ap.add_argument("--anchors", type=int, default=48, help="anchors per sequence (the recipe: 48)")
+    ap.add_argument("--layers", type=int, default=2, help="draft layers (the recipe: 2)")
     ap.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal(True) for the run")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_throughput" / "run.json")
     args = ap.parse_args()
@@ -63,7 +64,8 @@ def main() -> None:
         raise SystemExit("this CPU cannot flush denormals")
     rows = [r for r in load_dataset(ANSWERS) if not is_held_out(r)]
     target, tokenizer = load_target()
-    draft = build_draft(target, "markov", spare_token(tokenizer, rows) if args.layout == "speculators" else None)
+    mask_token = spare_token(tokenizer, rows) if args.layout == "speculators" else None
+    draft = build_draft(target, "markov", mask_token, args.layers)
     vocab = frequent_tokens(rows, 8192, always=tokenizer.all_special_ids)
     cfg = TrainConfig(
         steps=2 * args.steps,
@@ -97,7 +99,8 @@ def main() -> None:
         positions = supervised_positions(rows, cfg, steps, draft.config.block_size)
         result[name] = {"s_per_step": seconds / args.steps, "positions_per_s": positions / seconds}
     result |= {
-        "layout": args.layout, "batch_size": args.batch_size, "anchors": args.anchors, "threads": args.threads,
+        "layout": args.layout, "batch_size": args.batch_size, "anchors": args.anchors, "layers": args.layers,
+        "threads": args.threads,
         "mixed_precision": args.mixed_precision,
         "flush_denormal": args.flush_denormal,
         "rows": len(rows), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,

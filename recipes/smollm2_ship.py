@@ -65,7 +65,8 @@ def load_run(target, tokenizer, run: Path, head: str, checkpoint: int | None) ->
         raise SystemExit(f"no final draft or matching checkpoint in {run}")
     state = {k.removeprefix("draft."): v for k, v in load_file(ckpts[-1] / "model.safetensors").items()}
     exportable = any(k.endswith("q_norm.weight") for k in state)
-    draft = build_draft(target, head, tokenizer.convert_tokens_to_ids(MASK_TOKEN) if exportable else None)
+    mask_token = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if exportable else None
+    draft = build_draft(target, head, mask_token, read_recipe(run).get("layers", 2))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not k.startswith("target")]:
         raise SystemExit(f"checkpoint does not match the recipe: missing {missing}, unexpected {unexpected}")
@@ -74,16 +75,18 @@ def load_run(target, tokenizer, run: Path, head: str, checkpoint: int | None) ->
 
 def run_history(run: Path) -> list[dict]:
     """The training runs behind ``run``'s draft, oldest first: each its folder name and final settings (steps, lr,
-    seed, anchors, loss weights from ``final/train_config.json``; answer rows read from ``recipe.json``, None if
-    not kept), following ``recipe.json``'s ``init_from`` back through warm restarts."""
+    seed, anchors, loss weights from ``final/train_config.json``; answer rows and draft layers read from
+    ``recipe.json``, None and 2 if not kept), following ``recipe.json``'s ``init_from`` back through warm restarts."""
     chain = []
     while run is not None:
         cfg = json.loads((run / "final" / "train_config.json").read_text())
+        recipe = read_recipe(run)
         chain.append(
             {
                 "run": run.name,
                 **{k: cfg[k] for k in ("steps", "lr", "seed", "anchors", "loss_weights")},
-                "rows": read_recipe(run).get("rows"),
+                "rows": recipe.get("rows"),
+                "layers": recipe.get("layers", 2),
             }
         )
         run = restarted_from(run)
@@ -100,6 +103,7 @@ def unfinished_run(run: Path, step: int) -> dict:
         **{k: recipe.get(k, default) for k, default in (("lr", 3e-3), ("seed", 0), ("anchors", 48))},
         "loss_weights": asdict(recipe_loss(recipe.get("ce", 1.0), recipe.get("kd", 0.0))),
         "rows": recipe.get("rows"),
+        "layers": recipe.get("layers", 2),
     }
 
 
@@ -119,6 +123,8 @@ def train_command(head: str, chain: list[dict]) -> str:
     for i, r in enumerate(chain):
         cmd = f"python recipes/smollm2_train.py --head {head} --run {r['run']} --steps {r['steps']}"
         cmd += f" --anchors {r['anchors']}"
+        if r.get("layers", 2) != 2:
+            cmd += f" --layers {r['layers']}"
         if r["lr"] != 3e-3:
             cmd += f" --lr {r['lr']:g}"
         if r["seed"]:

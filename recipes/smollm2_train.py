@@ -43,13 +43,14 @@ def is_held_out(row: dict) -> bool:
 MASK_TOKEN = "<empty_output>"  # a SmolLM2 special token that neither prompts nor regenerated answers contain
 
 
-def build_draft(target, head: str, mask_token_id: int | None = None) -> DSparkDraftModel:
-    """The recipe's draft: 2 layers initialised from the target's top layers, γ = 8, rank-64 head; with a
-    ``mask_token_id``, the speculators-exportable layout (q/k norms, mask slots embedding that token)."""
+def build_draft(target, head: str, mask_token_id: int | None = None, layers: int = 2) -> DSparkDraftModel:
+    """The recipe's draft: ``layers`` layers (2 unless ``--layers``) initialised from the target's top layers,
+    γ = 8, rank-64 head; with a ``mask_token_id``, the speculators-exportable layout (q/k norms, mask slots
+    embedding that token)."""
     torch.manual_seed(0)
     layout = {} if mask_token_id is None else {"qk_norm": True, "mask_token_id": mask_token_id}
     return DSparkDraftModel.from_target(
-        target, block_size=8, num_draft_layers=2, head_type=head, head_rank=64, copy_target_layers=True, **layout
+        target, block_size=8, num_draft_layers=layers, head_type=head, head_rank=64, copy_target_layers=True, **layout
     )
 
 
@@ -83,7 +84,7 @@ def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
     continued run's history."""
     path = out / "recipe.json"
     if not path.exists():
-        keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd")
+        keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd", "layers")
         recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}
         path.write_text(json.dumps({**recipe, "rows": rows}))
 
@@ -118,6 +119,7 @@ def main() -> None:
     ap.add_argument("--head", default="markov", choices=["markov", "none", "gated", "rnn"])
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--anchors", type=int, default=48, help="anchor blocks per sequence")
+    ap.add_argument("--layers", type=int, default=2, help="draft layers (copies of the target's top layers)")
     ap.add_argument("--milestone-every", type=int, default=0, help="keep every checkpoint at multiples of this")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine to 0.1x)")
@@ -147,7 +149,8 @@ def main() -> None:
     answers = run_rows(out, load_dataset(args.data), args.rows)
     rows = [r for r in answers if not is_held_out(r)]
     target, tokenizer = load_target()
-    draft = build_draft(target, args.head, spare_token(tokenizer, rows) if args.layout == "speculators" else None)
+    mask_token = spare_token(tokenizer, rows) if args.layout == "speculators" else None
+    draft = build_draft(target, args.head, mask_token, args.layers)
     init_vocab = None if args.init_from is None else start_from(draft, args.init_from)
     cfg = TrainConfig(
         steps=args.steps,

@@ -13,7 +13,7 @@ from hf_dspark.testing import tiny_target
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 try:
-    from smollm2_ship import loss_terms, run_history, train_command, unfinished_run
+    from smollm2_ship import load_run, loss_terms, run_history, train_command, unfinished_run
     from smollm2_train import build_draft, record_recipe, run_rows, start_from
 finally:
     sys.path.remove(str(ROOT / "recipes"))
@@ -112,3 +112,28 @@ def test_a_run_reads_the_answer_rows_its_first_start_read(tmp_path):
     assert run_rows(fresh, grown, first=9) == rows[:6]  # the run keeps what it started on
     with pytest.raises(ValueError, match="run fresh started on 6 answer rows, but only 5 are here"):
         run_rows(fresh, rows[:5])
+
+
+def test_a_run_with_three_draft_layers_is_rebuilt_and_reproduced_with_three(tmp_path):
+    from safetensors.torch import save_file
+
+    target = tiny_target("llama", vocab_size=96, layers=4)
+    three = build_draft(target, "markov", layers=3)
+    top = target.get_decoder().layers[1:]
+    assert len(three.layers) == 3
+    assert all(torch.equal(d.mlp.up_proj.weight, t.mlp.up_proj.weight) for d, t in zip(three.layers, top, strict=True))
+
+    run = tmp_path / "deeper"
+    (run / "checkpoint-200").mkdir(parents=True)
+    args = argparse.Namespace(head="markov", steps=500, anchors=96, lr=3e-3, seed=0, layers=3, init_from=None)
+    record_recipe(run, args, 100)
+    with torch.no_grad():
+        three.layers[2].mlp.up_proj.weight.add_(1.0)
+    state = {k: v.contiguous() for k, v in three.state_dict().items() if not k.startswith("target")}
+    save_file(state, run / "checkpoint-200" / "model.safetensors")
+    loaded, step = load_run(target, None, run, "markov", 200)
+    assert step == 200 and len(loaded.layers) == 3
+    assert torch.equal(loaded.layers[2].mlp.up_proj.weight, three.layers[2].mlp.up_proj.weight)
+    assert train_command("markov", [unfinished_run(run, 200)]) == (
+        "python recipes/smollm2_train.py --head markov --run deeper --steps 200 --anchors 96 --layers 3 --rows 100"
+    )
