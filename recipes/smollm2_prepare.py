@@ -10,7 +10,8 @@ prompts the mix left out), appended rather than mixed in so that the answers alr
 
 Answers go to a shard folder inside the repository: sealed ``answers-NNNNN.jsonl.gz`` shards of 250 rows are never
 rewritten, so they can be committed as they come and a fresh clone on another machine resumes from them (only the
-ignored ``open.jsonl``, fewer than 250 rows, is lost with a machine). The answers are sampled (T = 0.7), and
+ignored ``open.jsonl``, fewer than 250 rows, is lost with a machine; once every prompt is answered, its rows become
+one last, shorter shard). The answers are sampled (T = 0.7), and
 float32 and bfloat16 differ only by rounding, so a folder may mix them.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from hf_dspark.embedded import load_target
-from hf_dspark.training.data import mix_prompts, read_prompts, regenerate
+from hf_dspark.training.data import mix_prompts, read_prompts, regenerate, seal_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "data" / "train"
@@ -29,6 +30,7 @@ ANSWERS = PROMPTS / "answers-smollm2"
 COUNTS = {"gsm8k_train": 2400, "codealpaca": 2400, "sharegpt_prompts": 1100}
 # Chat prompts answered after the mix: mt-bench is the set where the draft trails most (τ 1.42 vs 1.73 / 2.18).
 EXTRA = {"sharegpt_prompts": 1500}
+SHARD_ROWS = 250  # ~65 KB gzipped: small commits, and little lost with a machine
 
 
 def recipe_prompts(files: list[Path] | None = None) -> list:
@@ -54,7 +56,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     prompts = recipe_prompts(args.data)
     target, tokenizer = load_target(getattr(torch, args.dtype))
-    regenerate(target, tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens, shard_rows=250)
+    regenerate(target, tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens, shard_rows=SHARD_ROWS)
+    # every prompt is answered: the rest of the open file becomes a last shard, committed like the others
+    seal_shards(args.out, SHARD_ROWS, final=True)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,16 @@ def test_seal_shards_moves_whole_shards_and_never_rewrites_them(tmp_path):
     assert seal_shards(tmp_path, 3) == []
 
 
+def test_a_final_seal_keeps_the_short_rest_as_a_last_shard(tmp_path):
+    (tmp_path / OPEN_SHARD).write_text("".join(json.dumps(r) + "\n" for r in _rows(range(5))))
+    assert [p.name for p in seal_shards(tmp_path, 3)] == ["answers-00000.jsonl.gz"]
+    assert [p.name for p in seal_shards(tmp_path, 3, final=True)] == ["answers-00001.jsonl.gz"]
+    assert [r["id"] for r in load_dataset(tmp_path / "answers-00001.jsonl.gz")] == ["3", "4"]
+    assert load_dataset(tmp_path / OPEN_SHARD) == []
+    assert [r["id"] for r in load_dataset(tmp_path)] == [str(i) for i in range(5)]
+    assert seal_shards(tmp_path, 3, final=True) == []  # nothing left: no empty shard
+
+
 def test_shard_folder_after_an_interrupted_seal_reads_each_row_once(tmp_path):
     """Killed between writing a shard and emptying the open file: rows sit in both until the next seal."""
     (tmp_path / OPEN_SHARD).write_text("".join(json.dumps(r) + "\n" for r in _rows(range(4))))

@@ -123,8 +123,9 @@ def _parse_rows(path: Path, text: str, torn_tail_ok: bool) -> list[dict]:
     return rows
 
 
-def seal_shards(folder: str | Path, shard_rows: int) -> list[Path]:
-    """Move whole shards of ``shard_rows`` rows from the folder's open file into new sealed, gzipped shards.
+def seal_shards(folder: str | Path, shard_rows: int, final: bool = False) -> list[Path]:
+    """Move whole shards of ``shard_rows`` rows from the folder's open file into new sealed, gzipped shards; with
+    ``final`` (every prompt answered), the rows left over become one last, shorter shard.
 
     A shard is written under a temporary name and renamed into place, then the open file is rewritten without its
     rows, so an interruption at any point loses nothing (at worst rows sit in both until the next call, and
@@ -133,14 +134,14 @@ def seal_shards(folder: str | Path, shard_rows: int) -> list[Path]:
     folder = Path(folder)
     open_path = folder / OPEN_SHARD
     rows = load_dataset(open_path)
-    if len(rows) < shard_rows:
+    if len(rows) < (1 if final else shard_rows):
         return []
     sealed = {r["id"] for shard in folder.glob(SHARD_GLOB) for r in _parse_rows(shard, _read_text(shard), False)}
     if any(r["id"] in sealed for r in rows):  # left by an interrupted call
         rows = [r for r in rows if r["id"] not in sealed]
         _rewrite(open_path, rows)
     written = []
-    while len(rows) >= shard_rows:
+    while len(rows) >= shard_rows or (final and rows):
         index = len(list(folder.glob(SHARD_GLOB)))
         shard = folder / f"answers-{index:05d}.jsonl.gz"
         text = "".join(json.dumps(r) + "\n" for r in rows[:shard_rows])
