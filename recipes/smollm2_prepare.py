@@ -5,8 +5,9 @@ python recipes/smollm2_prepare.py [--data FILE ...] [--out data/train/answers-sm
 
 Prompts: the three prompt files vendored in ``data/train/`` (see its README for their origin and licences), or the
 files given with ``--data`` (any format ``hf_dspark.training.data.read_prompts`` reads). The shuffled mix keeps the
-paper's proportions (~18% chat, ~39% math, ~39% code); after it come ``EXTRA`` more chat prompts (the ShareGPT
-prompts the mix left out), appended rather than mixed in so that the answers already regenerated stay a prefix.
+paper's proportions (~18% chat, ~39% math, ~39% code); after it come the ``EXTRAS`` stages, each drawn from what the
+mix and earlier stages left (1,500 more ShareGPT chat prompts, then the rest of Code Alpaca), appended rather than
+mixed in so that the answers already regenerated stay a prefix.
 
 Answers go to a shard folder inside the repository: sealed ``answers-NNNNN.jsonl.gz`` shards of 250 rows are never
 rewritten, so they can be committed as they come and a fresh clone on another machine resumes from them (only the
@@ -28,21 +29,24 @@ PROMPTS = ROOT / "data" / "train"
 ANSWERS = PROMPTS / "answers-smollm2"
 # How many prompts the mix takes from each source (by file name before its first dot).
 COUNTS = {"gsm8k_train": 2400, "codealpaca": 2400, "sharegpt_prompts": 1100}
-# Chat prompts answered after the mix: mt-bench is the set where the draft trails most (τ 1.42 vs 1.73 / 2.18).
-EXTRA = {"sharegpt_prompts": 1500}
+# Stages answered after the mix, in order: chat first (mt-bench is where the draft trailed most, τ 1.42 against
+# 1.73 / 2.18), then every Code Alpaca prompt the mix left (humaneval is the furthest from its goal, 1.73 vs 2.2).
+EXTRAS = [{"sharegpt_prompts": 1500}, {"codealpaca": 2135}]
 SHARD_ROWS = 250  # ~65 KB gzipped: small commits, and little lost with a machine
 
 
 def recipe_prompts(files: list[Path] | None = None) -> list:
     """The recipe's prompts in answer order (``hf_dspark.training.data.Prompt`` list) from ``files`` (default:
-    vendored): the shuffled mix, then the ``EXTRA`` prompts drawn from what the mix left of each source."""
+    vendored): the shuffled mix, then each ``EXTRAS`` stage (seed 1, 2, ...) drawn from what came before left."""
     files = files or [PROMPTS / f"{name}.jsonl.gz" for name in COUNTS]
     sources = {path.name.split(".")[0]: read_prompts(path) for path in files}
     counts = {name: COUNTS.get(name, len(prompts)) for name, prompts in sources.items()}
-    mix = mix_prompts(sources, counts, seed=0)
-    taken = {p.id for p in mix}
-    rest = {name: [p for p in sources[name] if p.id not in taken] for name in EXTRA if name in sources}
-    return mix + mix_prompts(rest, EXTRA, seed=1)
+    order = mix_prompts(sources, counts, seed=0)
+    for seed, stage in enumerate(EXTRAS, start=1):
+        taken = {p.id for p in order}
+        rest = {name: [p for p in sources[name] if p.id not in taken] for name in stage if name in sources}
+        order += mix_prompts(rest, stage, seed=seed)
+    return order
 
 
 def main() -> None:

@@ -71,13 +71,17 @@ def test_dataset_names_resolve_inside_the_package():
 def test_training_prompts_ship_and_make_the_recipe_mix():
     sys.path.insert(0, str(ROOT / "recipes"))
     try:
-        from smollm2_prepare import ANSWERS, COUNTS, EXTRA, recipe_prompts
+        from smollm2_prepare import ANSWERS, COUNTS, EXTRAS, recipe_prompts
     finally:
         sys.path.remove(str(ROOT / "recipes"))
     prompts = recipe_prompts()
-    mix, extra = prompts[: sum(COUNTS.values())], prompts[sum(COUNTS.values()) :]
+    mix, rest = prompts[: sum(COUNTS.values())], prompts[sum(COUNTS.values()) :]
     assert {name: sum(p.source == name for p in mix) for name in COUNTS} == COUNTS
-    assert {name: sum(p.source == name for p in extra) for name in EXTRA} == EXTRA and len(extra) == sum(EXTRA.values())
+    for stage in EXTRAS:  # each stage in turn, not mixed with the next
+        extra, rest = rest[: sum(stage.values())], rest[sum(stage.values()) :]
+        assert {name: sum(p.source == name for p in extra) for name in stage} == stage
+        assert len(extra) == sum(stage.values())
+    assert rest == []
     assert len({p.id for p in prompts}) == len(prompts)
     # The committed answers were regenerated in this order, so it must never change: they are (nearly) a prefix of
     # it, the gaps being prompts over the length limit (~1%) and a batch in progress.
