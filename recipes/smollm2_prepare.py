@@ -12,8 +12,8 @@ mixed in so that the answers already regenerated stay a prefix.
 Answers go to a shard folder inside the repository: sealed ``answers-NNNNN.jsonl.gz`` shards of 250 rows are never
 rewritten, so they can be committed as they come and a fresh clone on another machine resumes from them (only the
 ignored ``open.jsonl``, fewer than 250 rows, is lost with a machine; once every prompt is answered, its rows become
-one last, shorter shard). The answers are sampled (T = 0.7), and
-float32 and bfloat16 differ only by rounding, so a folder may mix them.
+one last, shorter shard). The answers are sampled (T = 0.7), and float32 and bfloat16 differ only by rounding, so a
+folder may mix them.
 """
 
 import argparse
