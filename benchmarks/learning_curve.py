@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
 from smollm2_heldout import heldout_stats  # noqa: E402
-from smollm2_ship import held_out_prompts, load_run, run_history  # noqa: E402
-from smollm2_train import STATE, restarted_from  # noqa: E402
+from smollm2_ship import held_out_prompts, load_run, runs_before  # noqa: E402
+from smollm2_train import STATE  # noqa: E402
 
 from hf_dspark import DSparkDraftModel  # noqa: E402
 from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
@@ -115,10 +115,10 @@ def main() -> None:
             )
         final = run / "final" / "train_config.json"
         anchors = json.loads(final.read_text())["anchors"] if final.is_file() else args.anchors
-        parent = restarted_from(run)  # a warm restart's steps count on from the runs it continues
-        before = sum(r["steps"] for r in run_history(parent)) if parent else 0
-        if parent:
-            curve["continues"] = parent.name
+        earlier = runs_before(run)  # a warm restart's steps count on from the runs it continues
+        before = sum(r["steps"] for r in earlier)
+        if earlier:
+            curve["continues"] = earlier[-1]["run"]
         done = {p["step"] for p in curve["points"]}
         for step in kept_steps(run, args.every):
             if before + step in done:

@@ -42,7 +42,8 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
     load = lambda f: json.loads((folder / f).read_text()) if (folder / f).is_file() else None  # noqa: E731
     training = load("training.json")
     if training:
-        training_text = "\n".join(f"- **{k}**: {v}" for k, v in training.items())
+        # structured entries (e.g. ``runs``, for tools continuing the training) stay out of the prose
+        training_text = "\n".join(f"- **{k}**: {v}" for k, v in training.items() if not isinstance(v, list | dict))
     else:
         training_text = "No training record in this folder."
     weights = (training or {}).get("target weights")

@@ -73,24 +73,30 @@ def load_run(target, tokenizer, run: Path, head: str, checkpoint: int | None) ->
     return draft, int(ckpts[-1].name.split("-")[1])
 
 
+def runs_before(run: Path) -> list[dict]:
+    """The training runs ``run`` continues, oldest first (``[]`` for a first run): a run started from a shipped
+    draft reads them from its ``recipe.json`` (``continues``, copied at its first start, the last entry marked
+    ``"shipped": True``); one started from ``<run>/final`` follows that run's :func:`run_history`."""
+    continues = read_recipe(run).get("continues")
+    if continues:
+        return [*continues[:-1], {**continues[-1], "shipped": True}]
+    parent = restarted_from(run)
+    return run_history(parent) if parent else []
+
+
 def run_history(run: Path) -> list[dict]:
     """The training runs behind ``run``'s draft, oldest first: each its folder name and final settings (steps, lr,
     seed, anchors, loss weights from ``final/train_config.json``; answer rows and draft layers read from
-    ``recipe.json``, None and 2 if not kept), following ``recipe.json``'s ``init_from`` back through warm restarts."""
-    chain = []
-    while run is not None:
-        cfg = json.loads((run / "final" / "train_config.json").read_text())
-        recipe = read_recipe(run)
-        chain.append(
-            {
-                "run": run.name,
-                **{k: cfg[k] for k in ("steps", "lr", "seed", "anchors", "loss_weights")},
-                "rows": recipe.get("rows"),
-                "layers": recipe.get("layers", 2),
-            }
-        )
-        run = restarted_from(run)
-    return chain[::-1]
+    ``recipe.json``, None and 2 if not kept), following warm restarts back (see :func:`runs_before`)."""
+    cfg = json.loads((run / "final" / "train_config.json").read_text())
+    recipe = read_recipe(run)
+    entry = {
+        "run": run.name,
+        **{k: cfg[k] for k in ("steps", "lr", "seed", "anchors", "loss_weights")},
+        "rows": recipe.get("rows"),
+        "layers": recipe.get("layers", 2),
+    }
+    return [*runs_before(run), entry]
 
 
 def unfinished_run(run: Path, step: int) -> dict:
@@ -137,7 +143,10 @@ def train_command(head: str, chain: list[dict]) -> str:
         if kd:
             cmd += f" --kd {kd:g}"
         if i:
-            cmd += f" --init-from <state>/{chain[i - 1]['run']}/final"
+            before = chain[i - 1]
+            cmd += f" --init-from <draft shipped from {before['run']}>" if before.get("shipped") else (
+                f" --init-from <state>/{before['run']}/final"
+            )  # fmt: skip
         parts.append(cmd)
     return " && ".join(parts)
 
@@ -201,7 +210,7 @@ def main() -> None:
     if (run / "final").is_dir():
         chain = run_history(run)
     else:  # an unfinished run shipped from a checkpoint: its own steps so far, settings from its recipe.json
-        chain = [unfinished_run(run, step)]
+        chain = [*runs_before(run), unfinished_run(run, step)]
     anchors = chain[-1]["anchors"]
     steps = " + ".join(str(r["steps"]) for r in chain)
     schedules = "; ".join(f"lr {r['lr']:g} warmup + cosine over {r['steps']} steps" for r in chain)
@@ -221,6 +230,7 @@ def main() -> None:
         "hardware": f"CPU, {args.threads} thread(s), {cfg.get('s_per_step', '?')} s/step",
         "target weights": TARGET_WEIGHTS,
         **({"history": args.note} if args.note else {}),
+        "runs": chain,  # structured, for a warm restart from this shipped draft (smollm2_train.py --init-from)
         "stored as": "bfloat16 safetensors (attached to a float32 target it runs in float32)",
         "draft vocabulary": f"{shipped.config.draft_vocab_size} tokens (the most frequent training-answer tokens +"
         " special)" + (", trained over them" if trained_vocab is not None else "")

@@ -89,7 +89,9 @@ def test_card_renders_config_and_results(tmp_path):
         )
     )
     (tmp_path / "training.json").write_text(
-        json.dumps({"data": "700 prompts", "steps": 1000, "target weights": "the Q4_1 GGUF of org/target"})
+        json.dumps(
+            {"data": "700 prompts", "steps": 1000, "target weights": "the Q4_1 GGUF of org/target", "runs": [{"lr": 1}]}
+        )
     )
     (tmp_path / "calibration.json").write_text(json.dumps({"source": "decode", "blocks": 4000, "dtype": "bfloat16"}))
     card = render_card(tmp_path, name="org/draft", target="org/target")
@@ -104,6 +106,7 @@ def test_card_renders_config_and_results(tmp_path):
     assert "| gsm8k | 0.0 | 30 | 3.21 | 0.50 | 25.0 | 0.80 0.70 - - |" in card
     assert "Measured 2026-11-29 on x86_64 2 cores (Linux), 2 threads, cpu, bfloat16." in card
     assert "- **data**: 700 prompts" in card and "Not measured yet." in card  # no bench.json
+    assert "- **steps**: 1000" in card and "runs" not in card  # the structured history is for tools, not prose
     assert "- Trained and measured against these weights of the target: the Q4_1 GGUF of org/target. Its" in card
     assert "(e.g. the original checkpoint the snippet above loads) is not measured" in card
     assert 'DSparkDraftModel.from_pretrained("org/draft")' in card

@@ -137,3 +137,51 @@ def test_a_run_with_three_draft_layers_is_rebuilt_and_reproduced_with_three(tmp_
     assert train_command("markov", [unfinished_run(run, 200)]) == (
         "python recipes/smollm2_train.py --head markov --run deeper --steps 200 --anchors 96 --layers 3 --rows 100"
     )
+
+
+def test_a_run_continued_from_the_shipped_draft_carries_its_history_on(tmp_path):
+    from smollm2_ship import runs_before
+    from smollm2_train import shipped_runs
+
+    target = tiny_target("llama", vocab_size=96)
+    write_run(tmp_path, "first", 4000, 3e-3, 0, None, rows=3000)
+    second = write_run(tmp_path, "second", 6000, 2e-3, 1, "first", rows=3500)
+    shipped = tmp_path / "shipped"  # what the ship step leaves in hf_dspark/checkpoints (bfloat16, training.json)
+    trained = build_draft(target, "markov", mask_token_id=7)
+    with torch.no_grad():
+        for p in trained.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))
+    trained.to(torch.bfloat16).set_draft_vocab([1, 7, 40]).save_pretrained(shipped)
+    (shipped / "training.json").write_text(json.dumps({"command": "...", "runs": run_history(second)}))
+
+    fresh = build_draft(target, "markov", mask_token_id=7)  # float32, as training runs
+    assert start_from(fresh, shipped).tolist() == [1, 7, 40]
+    assert fresh.dtype == torch.float32
+    theirs = trained.set_draft_vocab(None).state_dict()
+    assert all(torch.equal(fresh.state_dict()[k], theirs[k].float()) for k in theirs)
+
+    third = tmp_path / "third"
+    third.mkdir()
+    args = argparse.Namespace(head="markov", steps=500, anchors=96, lr=1e-3, seed=4, init_from=shipped)
+    record_recipe(third, args, 4000)
+    (shipped / "training.json").write_text(json.dumps({"runs": [{"run": "later"}]}))  # shipping again later
+    assert [r["run"] for r in runs_before(third)] == ["first", "second"]  # copied at the first start
+    (third / "final").mkdir()
+    cfg = {"steps": 500, "lr": 1e-3, "seed": 4, "anchors": 96, "loss_weights": {"ce": 1.0, "tv": 0.1, "conf": 1.0}}
+    (third / "final" / "train_config.json").write_text(json.dumps(cfg))
+    chain = run_history(third)
+    assert [(r["run"], r["steps"], r["rows"]) for r in chain] == [("first", 4000, 3000), ("second", 6000, 3500),
+                                                                  ("third", 500, 4000)]  # fmt: skip
+    command = train_command("markov", chain).split(" && ")
+    assert command[1].endswith("--rows 3500 --init-from <state>/first/final")
+    assert command[2] == (
+        "python recipes/smollm2_train.py --head markov --run third --steps 500 --anchors 96 --lr 0.001 --seed 4"
+        " --rows 4000 --init-from <draft shipped from second>"
+    )
+
+    (shipped / "training.json").write_text(json.dumps({"command": "..."}))  # shipped before runs were recorded
+    with pytest.raises(ValueError, match=r"training\.json records no 'runs'"):
+        shipped_runs(shipped)
+    with pytest.raises(ValueError, match=r"training\.json records no 'runs'"):
+        record_recipe(tmp_path / "fourth", args, 4000)
