@@ -30,18 +30,21 @@ ANSWERS = PROMPTS / "answers-smollm2"
 # How many prompts the mix takes from each source (by file name before its first dot).
 COUNTS = {"gsm8k_train": 2400, "codealpaca": 2400, "sharegpt_prompts": 1100}
 # Stages answered after the mix, in order: chat first (mt-bench is where the draft trailed most, τ 1.42 against
-# 1.73 / 2.18), then every Code Alpaca prompt the mix left (humaneval is the furthest from its goal, 1.73 vs 2.2).
-EXTRAS = [{"sharegpt_prompts": 1500}, {"codealpaca": 2135}]
+# 1.73 / 2.18), then every Code Alpaca prompt the mix left (humaneval is the furthest from its goal, 1.73 vs 2.2),
+# then function-completion prompts built from Code Alpaca's Python solutions (scripts/make_function_prompts.py: a
+# signature and docstring to complete, the shape of benchmark code prompts, where the draft's τ is lower).
+EXTRAS = [{"sharegpt_prompts": 1500}, {"codealpaca": 2135}, {"codealpaca_functions": 820}]
 SHARD_ROWS = 250  # ~65 KB gzipped: small commits, and little lost with a machine
 
 
 def recipe_prompts(files: list[Path] | None = None) -> list:
     """The recipe's prompts in answer order (``hf_dspark.training.data.Prompt`` list) from ``files`` (default:
     vendored): the shuffled mix, then each ``EXTRAS`` stage (seed 1, 2, ...) drawn from what came before left."""
-    files = files or [PROMPTS / f"{name}.jsonl.gz" for name in COUNTS]
+    staged = {name for stage in EXTRAS for name in stage if name not in COUNTS}  # sources of later stages only
+    files = files or [PROMPTS / f"{name}.jsonl.gz" for name in [*COUNTS, *sorted(staged)]]
     sources = {path.name.split(".")[0]: read_prompts(path) for path in files}
-    counts = {name: COUNTS.get(name, len(prompts)) for name, prompts in sources.items()}
-    order = mix_prompts(sources, counts, seed=0)
+    in_mix = {name: prompts for name, prompts in sources.items() if name not in staged}
+    order = mix_prompts(in_mix, {name: COUNTS.get(name, len(prompts)) for name, prompts in in_mix.items()}, seed=0)
     for seed, stage in enumerate(EXTRAS, start=1):
         taken = {p.id for p in order}
         rest = {name: [p for p in sources[name] if p.id not in taken] for name in stage if name in sources}

@@ -173,3 +173,28 @@ def test_regenerate_into_shards_resumes_where_it_stopped(tmp_path):
         assert row["response_ids"] == ref
     with pytest.warns(UserWarning, match="nothing to regenerate"):
         regenerate(target, tokenizer, prompts, out, **kw)
+
+
+def test_function_prompts_keep_the_signature_and_imports_and_drop_the_solution():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from make_function_prompts import INSTRUCTION, function_prompt
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    solution = (
+        "import math\nfrom typing import List\n\n@cache\ndef norms(xs: List[float],\n          p: int = 2) -> float:\n"
+        '    """Old docstring."""\n    return math.fsum(x**p for x in xs) ** (1 / p)\n\nprint(norms([3, 4]))\n'
+    )
+    prompt = function_prompt("Compute the p-norm\nof a list.", "[3, 4]", solution)
+    assert prompt == (
+        f"{INSTRUCTION}\n```python\nimport math\nfrom typing import List\n\n@cache\ndef norms(xs: List[float],\n"
+        '          p: int = 2) -> float:\n    """Compute the p-norm\n    of a list.\n    Example input: [3, 4]\n'
+        '    """\n```'
+    )
+    assert "fsum" not in prompt and "Old docstring" not in prompt
+    assert function_prompt("Sum.", "", "def f(a, b):\n    return a + b\n").endswith(
+        'def f(a, b):\n    """Sum.\n    """\n```'
+    )
+    assert function_prompt("x", "", "int main() { return 0; }") is None  # not Python
+    assert function_prompt("x", "", "print(sum([1, 2]))\n") is None  # no function
+    assert function_prompt("x", "", "def f(a): return a\n") is None  # no body line to leave out
