@@ -52,13 +52,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
     ap.add_argument("--rows", type=int, default=40)
+    ap.add_argument("--split", default="held-out", choices=["held-out", "train"],
+                    help="held-out answers, or training ones (is a miss a failure to generalise?)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "slot_probe.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = load_dataset(ANSWERS)
     bigram = bigram_table([r for r in rows if not is_held_out(r)])
-    held = [r for r in rows if is_held_out(r)][: args.rows]
+    held = [r for r in rows if is_held_out(r) == (args.split == "held-out")][: args.rows]
     target, _ = load_target()
     draft = DSparkDraftModel.from_pretrained(args.draft).float().attach(target).eval()
     vocab = draft.draft_vocab
@@ -105,7 +107,7 @@ def main() -> None:
                                                  "accept": sum(got) / len(got) if got else None}  # fmt: skip
         table.append(row)
     n = slot0["positions"]
-    result = {"draft": str(args.draft), "rows": len(held), "slots": table,
+    result = {"draft": str(args.draft), "rows": len(held), "split": args.split, "slots": table,
               "slot1_references": {k: slot0[k] / n for k in ("draft", "bigram")}}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
