@@ -374,6 +374,20 @@ def test_cli_train_then_calibrate(setup, tmp_path):
     assert target.generate(ids, assistant_model=draft, **kw).tolist() == target.generate(ids, **kw).tolist()
 
 
+def test_target_outputs_are_the_hidden_states_of_a_whole_forward(setup):
+    """The feature pass skips the target's logits (logits_to_keep); its states are those of a full forward."""
+    target, rows = setup
+    layer_ids = [0, 1]
+    ids = torch.tensor([rows[0]["prompt_ids"] + rows[0]["response_ids"]])
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    feats, final = target_outputs(target, layer_ids, ids, valid)
+    with torch.no_grad():
+        full = target(input_ids=ids, output_hidden_states=True)
+    assert full.logits.shape[1] == ids.shape[1]
+    assert torch.equal(feats, torch.cat([full.hidden_states[i + 1] for i in layer_ids], -1))
+    assert torch.equal(final, full.hidden_states[-1])
+
+
 def test_feature_cache_gives_the_same_training_as_online(setup, tmp_path):
     target, rows = setup
     cfg = TrainConfig(steps=6, lr=3e-3, anchors=4, batch_size=2, seed=3)
