@@ -60,7 +60,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = load_dataset(ANSWERS)
     bigram = bigram_table([r for r in rows if not is_held_out(r)])
-    held = [r for r in rows if is_held_out(r) == (args.split == "held-out")][: args.rows]
+    probed = [r for r in rows if is_held_out(r) == (args.split == "held-out")][: args.rows]
     target, _ = load_target()
     draft = DSparkDraftModel.from_pretrained(args.draft).float().attach(target).eval()
     vocab = draft.draft_vocab
@@ -68,7 +68,7 @@ def main() -> None:
     match = [[] for _ in range(gamma)]  # per slot: (agrees, target top-1 probability)
     no_context = [[] for _ in range(gamma)]  # per slot: agrees with the context hidden
     slot0 = Counter()
-    for r in held:
+    for r in probed:
         ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
         valid = torch.ones_like(ids, dtype=torch.bool)
         start = len(r["prompt_ids"]) - 1
@@ -107,7 +107,7 @@ def main() -> None:
                                                  "accept": sum(got) / len(got) if got else None}  # fmt: skip
         table.append(row)
     n = slot0["positions"]
-    result = {"draft": str(args.draft), "rows": len(held), "split": args.split, "slots": table,
+    result = {"draft": str(args.draft), "rows": len(probed), "split": args.split, "slots": table,
               "slot1_references": {k: slot0[k] / n for k in ("draft", "bigram")}}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
