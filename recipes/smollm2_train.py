@@ -67,11 +67,30 @@ def spare_token(tokenizer, rows: list[dict]) -> int:
 
 def start_from(draft: DSparkDraftModel, finished: Path) -> torch.Tensor | None:
     """Copy a finished draft's weights into ``draft`` (same recipe and layout, checked by a strict load) and
-    return its draft vocabulary (or ``None``). A resumed run's checkpoint overwrites these weights afterwards."""
+    return its draft vocabulary (or ``None``). A resumed run's checkpoint overwrites these weights afterwards.
+
+    A ``draft`` with more layers than the finished one grows it (``--layers 3`` from a 2-layer draft): the finished
+    layers become the top ones, and each added bottom layer keeps its copy of the target's layer but starts with
+    zero output projections (``o_proj``, ``down_proj``), a residual no-op, so the grown draft starts out computing
+    exactly what the finished one did and training adds what the extra layer brings."""
     done = DSparkDraftModel.from_pretrained(finished)
     vocab = None if done.draft_vocab is None else done.draft_vocab.clone()
     done.set_draft_vocab(None)
-    draft.load_state_dict(done.state_dict(), strict=True)
+    added = len(draft.layers) - len(done.layers)
+    if added < 0:
+        have, want = len(done.layers), len(draft.layers)
+        raise ValueError(f"{finished} has {have} draft layers: it cannot start a {want}-layer run")
+    state = {}
+    for key, value in done.state_dict().items():
+        if key.startswith("layers."):
+            index, rest = key[len("layers.") :].split(".", 1)
+            key = f"layers.{int(index) + added}.{rest}"
+        state[key] = value
+    for index, layer in enumerate(draft.layers[:added]):
+        for key, value in layer.state_dict().items():
+            silent = key.startswith(("self_attn.o_proj.", "mlp.down_proj."))
+            state[f"layers.{index}.{key}"] = torch.zeros_like(value) if silent else value
+    draft.load_state_dict(state, strict=True)
     return vocab
 
 

@@ -42,6 +42,42 @@ def test_a_new_run_starts_from_a_finished_drafts_weights_and_vocabulary(tmp_path
         start_from(other_layout, tmp_path / "final")
 
 
+def test_a_deeper_run_grows_a_finished_draft_and_starts_out_computing_the_same(tmp_path):
+    """--layers 3 --init-from a 2-layer draft: the finished layers on top, the added bottom layer a residual no-op
+    (zero output projections, the target's weights elsewhere), so the first step starts from the finished draft."""
+    target = tiny_target("llama", vocab_size=96)
+    finished = build_draft(target, "markov", mask_token_id=7)
+    with torch.no_grad():
+        for p in finished.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    finished.save_pretrained(tmp_path / "final")
+
+    grown = build_draft(target, "markov", mask_token_id=7, layers=3)
+    copied_from_target = {k: v.clone() for k, v in grown.layers[0].state_dict().items()}
+    start_from(grown, tmp_path / "final")
+    added = grown.layers[0].state_dict()
+    for key, value in added.items():
+        silent = key.startswith(("self_attn.o_proj.", "mlp.down_proj."))
+        assert torch.equal(value, torch.zeros_like(value) if silent else copied_from_target[key]), key
+    assert torch.equal(grown.layers[1].mlp.up_proj.weight, finished.layers[0].mlp.up_proj.weight)
+    assert torch.equal(grown.layers[2].self_attn.q_proj.weight, finished.layers[1].self_attn.q_proj.weight)
+
+    torch.manual_seed(1)
+    features = torch.randn(2, 10, finished.config.num_target_features * finished.config.target_hidden_size)
+    context_positions = torch.arange(10).expand(2, -1)
+    block = finished.embed_block(torch.tensor([5, 9]))
+    block_positions = torch.arange(10, 10 + finished.config.block_size).expand(2, -1)
+    want = finished(block, block_positions, finished.context_key_values(features, context_positions)).logits
+    got = grown(block, block_positions, grown.context_key_values(features, context_positions)).logits
+    torch.testing.assert_close(got, want)
+    assert got.abs().max() > 0
+
+    with pytest.raises(ValueError, match="has 3 draft layers: it cannot start a 2-layer run"):
+        grown.save_pretrained(tmp_path / "deeper")
+        start_from(build_draft(target, "markov", mask_token_id=7), tmp_path / "deeper")
+
+
 def write_run(
     state: Path, name: str, steps: int, lr: float, seed: int, init_from: str | None, rows: int = 3000, kd: float = 0
 ) -> Path:
