@@ -76,10 +76,10 @@ def start_from(draft: DSparkDraftModel, finished: Path) -> torch.Tensor | None:
     done = DSparkDraftModel.from_pretrained(finished)
     vocab = None if done.draft_vocab is None else done.draft_vocab.clone()
     done.set_draft_vocab(None)
-    added = len(draft.layers) - len(done.layers)
-    if added < 0:
-        have, want = len(done.layers), len(draft.layers)
+    have, want = len(done.layers), len(draft.layers)
+    if want < have:
         raise ValueError(f"{finished} has {have} draft layers: it cannot start a {want}-layer run")
+    added = want - have
     state = {}
     for key, value in done.state_dict().items():
         if key.startswith("layers."):

@@ -73,8 +73,8 @@ def test_a_deeper_run_grows_a_finished_draft_and_starts_out_computing_the_same(t
     torch.testing.assert_close(got, want)
     assert got.abs().max() > 0
 
+    grown.save_pretrained(tmp_path / "deeper")
     with pytest.raises(ValueError, match="has 3 draft layers: it cannot start a 2-layer run"):
-        grown.save_pretrained(tmp_path / "deeper")
         start_from(build_draft(target, "markov", mask_token_id=7), tmp_path / "deeper")
 
 
