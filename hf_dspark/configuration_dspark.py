@@ -46,8 +46,11 @@ class DSparkConfig(PretrainedConfig):
         lookup_max_ngram, lookup_min_ngram: lookup drafting (``hf_dspark.lookup``), off when
             ``lookup_max_ngram`` is 0 (the default). On: in each round with one row running (a single prompt, or
             the last row of a batch), if the row's last n tokens (n from ``lookup_max_ngram`` down to
-            ``lookup_min_ngram``) occurred earlier in its history, it verifies the tokens that followed them (as
-            many as ``verify_limit`` / γ allows) instead of a drafted block. Lossless either way.
+            ``lookup_min_ngram``) occurred earlier in its history, it verifies the tokens that followed them
+            instead of a drafted block. Lossless either way.
+        lookup_max_tokens: the most tokens a lookup continuation verifies (``None``: γ, like a drafted block; never
+            more than ``verify_limit`` when that is set). Repeats are often longer than a block, and on a target
+            whose verify cost grows slowly with width a longer continuation costs little more.
     Training:
         loss_decay: position weights w_k = exp(-(k-1)/loss_decay); ``None`` means γ.
     """
@@ -88,6 +91,7 @@ class DSparkConfig(PretrainedConfig):
         verify_layout: str = "padded",
         lookup_max_ngram: int = 0,
         lookup_min_ngram: int = 2,
+        lookup_max_tokens: int | None = None,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -123,6 +127,7 @@ class DSparkConfig(PretrainedConfig):
         self.verify_layout = verify_layout
         self.lookup_max_ngram = lookup_max_ngram
         self.lookup_min_ngram = lookup_min_ngram
+        self.lookup_max_tokens = lookup_max_tokens
         self.initializer_range = initializer_range
         # `generate` compares vocab sizes of target and assistant before it reaches us: keep this one honest.
         kwargs.setdefault("vocab_size", target_vocab_size)
@@ -186,8 +191,11 @@ class DSparkConfig(PretrainedConfig):
 
     def validate_lookup(self) -> None:
         """Raise ``ValueError`` unless the lookup fields are off (``lookup_max_ngram`` = 0) or
-        1 <= ``lookup_min_ngram`` <= ``lookup_max_ngram`` (checked again by ``generate``: they may be changed on a
-        loaded draft)."""
+        1 <= ``lookup_min_ngram`` <= ``lookup_max_ngram``, and ``lookup_max_tokens`` is ``None`` or an int >= 1
+        (checked again by ``generate``: they may be changed on a loaded draft)."""
+        cap = self.lookup_max_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"lookup_max_tokens must be an int >= 1 (or None: γ), got {cap!r}")
         if not isinstance(self.lookup_max_ngram, int) or self.lookup_max_ngram < 0:
             raise ValueError(f"lookup_max_ngram must be an int >= 0 (0: off), got {self.lookup_max_ngram!r}")
         if self.lookup_max_ngram and not (

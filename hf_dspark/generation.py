@@ -56,6 +56,7 @@ class DecodeSettings:
     verify_layout: str
     lookup_max_ngram: int
     lookup_min_ngram: int
+    lookup_max_tokens: int | None
 
     @classmethod
     def resolve(cls, draft: DSparkDraftModel, **overrides) -> DecodeSettings:
@@ -338,11 +339,20 @@ class Schedule:
         # it is the only row running: in a batch every row shares the verify block's width, and lookups, which no
         # plan prices, widened it past what the scheduler pays for (R = 4: 58 tok/s against 67 scheduled)
         alone = s.lookup_max_ngram > 0 and len(state.active) == 1
-        looked_up = lookups(s, state.histories(), room) if alone else {}
+        looked_up = lookups(s, state.histories(), self.lookup_room(state, max_length)) if alone else {}
         caps = [0 if self.skip or r in looked_up else room[r] for r in range(state.size)]
         self.skip = max(self.skip - 1, 0)
         planner = column_plan(s.verify_mode, s.verify_layout, caps, self.planning, s.confidence_threshold)
         return RoundPlan(caps, looked_up, planner)
+
+    def lookup_room(self, state: DecodeState, max_length: int) -> list[int]:
+        """The most tokens each row's lookup continuation may verify this round: ``lookup_max_tokens`` (γ when
+        ``None``), within ``verify_limit`` and the room left before ``max_length``."""
+        s = self.settings
+        limit = s.lookup_max_tokens or self.draft_tokens
+        if s.verify_limit is not None:
+            limit = min(limit, s.verify_limit)
+        return [0 if state.finished[r] else min(limit, max_length - state.lengths[r] - 1) for r in range(state.size)]
 
     def lengths(self, plan: RoundPlan, proposal: Proposal, state: DecodeState) -> list[int]:
         """Tokens each row verifies: the plan's (closed while drafting, or chosen now from the whole block), a

@@ -20,7 +20,7 @@ class DSparkStats:
     per-position acceptance count both kinds.
     """
 
-    num_draft_tokens: int  # the most draft tokens one entry can verify (the draft's block size - 1)
+    num_draft_tokens: int  # the most draft tokens a drafted entry verifies (a lookup continuation may verify more)
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
@@ -50,7 +50,8 @@ class DSparkStats:
         """Conditional acceptance per position k = 1..num_draft_tokens: P(k accepted | 1..k-1 accepted and k was
         verified).
 
-        ``None`` where no round reached position k.
+        ``None`` where no round reached position k. Positions past num_draft_tokens, which only lookup
+        continuations reach (``lookup_max_tokens``), are not reported.
         """
         out = []
         for k in range(1, self.num_draft_tokens + 1):

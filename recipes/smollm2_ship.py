@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--name", default="hf-dspark/smollm2-135m-instruct-dspark", help="repository name in the card")
     ap.add_argument("--note", default=None, help="how the run went, if not in one go (training.json 'history')")
     ap.add_argument("--lookup", type=int, default=3, help="the shipped config's lookup_max_ngram (0: off)")
+    ap.add_argument("--lookup-tokens", type=int, default=None, help="the shipped config's lookup_max_tokens (None: γ)")
     args = ap.parse_args()
     if args.recalibrate:
         calibrate(args.out, args.calibration, args.blocks, args.objective)
@@ -203,6 +204,7 @@ def main() -> None:
     elif args.draft_vocab:
         shipped.set_draft_vocab(frequent_tokens(train_rows, args.draft_vocab, always=tokenizer.all_special_ids))
     shipped.config.lookup_max_ngram = args.lookup  # lookup drafting on by default (README: Lookup drafting)
+    shipped.config.lookup_max_tokens = args.lookup_tokens
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shipped.save_pretrained(tmp)

@@ -52,6 +52,9 @@ def test_one_hot_probs():
         ({"lookup_max_ngram": -1}, "lookup_max_ngram must be an int >= 0"),
         ({"lookup_max_ngram": 2, "lookup_min_ngram": 3}, r"lookup_min_ngram must be an int between 1 and .*\(2\)"),
         ({"lookup_max_ngram": 2, "lookup_min_ngram": 0}, "lookup_min_ngram must be an int between 1"),
+        ({"lookup_max_tokens": 0}, r"lookup_max_tokens must be an int >= 1 \(or None: γ\), got 0"),
+        ({"lookup_max_tokens": 2.5}, "lookup_max_tokens must be an int >= 1"),
+        ({"lookup_max_tokens": True}, "lookup_max_tokens must be an int >= 1"),
     ],
 )
 def test_config_refuses_bad_lookup_fields(fields, message):
@@ -70,11 +73,12 @@ def test_generate_refuses_bad_lookup_fields_set_on_a_loaded_draft():
 def test_lookup_fields_survive_save_and_load(tmp_path):
     target = tiny_target()
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 3, 1
+    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram, draft.config.lookup_max_tokens = 3, 1, 12
     draft.save_pretrained(tmp_path)
     loaded = DSparkConfig.from_pretrained(tmp_path)
-    assert (loaded.lookup_max_ngram, loaded.lookup_min_ngram) == (3, 1)
+    assert (loaded.lookup_max_ngram, loaded.lookup_min_ngram, loaded.lookup_max_tokens) == (3, 1, 12)
     assert DSparkConfig().lookup_max_ngram == 0  # off unless asked for
+    assert DSparkConfig().lookup_max_tokens is None  # a continuation as long as a block unless asked for
 
 
 # a prompt that repeats itself, so lookups match from the first round on
@@ -103,6 +107,34 @@ def test_greedy_with_lookup_equals_plain_greedy(mode, min_ngram):
         assert len(stats.confidences) == stats.rounds
         for conf, looked, ell in zip(stats.confidences, stats.looked_up, stats.proposed, strict=True):
             assert conf is None if looked else len(conf) == ell
+
+
+@pytest.mark.parametrize("mode", ["fixed", "scheduled"])
+def test_lookup_continuations_longer_than_a_block_stay_exact_and_respect_verify_limit(mode):
+    """``lookup_max_tokens`` past γ: looked-up rounds verify up to it (drafted ones still up to γ), the output is
+    plain greedy's, and ``verify_limit`` caps both."""
+    target = tiny_target(dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.verify_mode = mode
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
+    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram, draft.config.lookup_max_tokens = 3, 1, 10
+    ref = target.generate(REPEATING, max_new_tokens=40, do_sample=False)
+    out = target.generate(REPEATING, max_new_tokens=40, do_sample=False, assistant_model=draft)
+    assert out.tolist() == ref.tolist()
+    stats = draft.stats
+    assert sum(stats.committed) == 39
+    looked = [p for p, lk in zip(stats.proposed, stats.looked_up, strict=True) if lk]
+    drafted = [p for p, lk in zip(stats.proposed, stats.looked_up, strict=True) if not lk]
+    gamma = draft.config.num_draft_tokens
+    assert gamma < max(looked) <= 10 and max(drafted, default=0) <= gamma
+    # longer continuations were not only proposed but accepted past γ
+    assert any(a > gamma for a, lk in zip(stats.accepted, stats.looked_up, strict=True) if lk)
+    assert len(stats.position_acceptance()) == gamma
+
+    draft.config.verify_limit = 2
+    out = target.generate(REPEATING, max_new_tokens=40, do_sample=False, assistant_model=draft)
+    assert out.tolist() == ref.tolist()
+    assert max(draft.stats.proposed) <= 2 and any(draft.stats.looked_up)
 
 
 def test_a_round_where_every_row_looks_up_does_not_draft(monkeypatch):

@@ -1,0 +1,90 @@
+"""How long a lookup continuation should be: the shipped configuration at several ``lookup_max_tokens``.
+
+    python benchmarks/lookup_length.py [--tokens 8 12 16 24] [--per-source 10] [--threads 2]
+        [--out benchmarks/results/lookup_length]
+
+The shipped draft as shipped (scheduled, lookup drafting over n-grams of 3..2 tokens) with each lookup cap, beside
+plain ``generate`` and transformers' prompt lookup (10 tokens), interleaved prompt by prompt (``hf-dspark bench``'s
+loop: greedy, bfloat16 where the CPU has bf16 units, 128 new tokens, every output checked against plain greedy).
+Prompts: the recipe's held-out training prompts, ``--per-source`` of each source (never trained on, and not the eval
+sets, so a cap chosen here is not fitted to the numbers the README reports). Prints a table per source and writes
+``<out>/lookup_length.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+from smollm2_prepare import recipe_prompts  # noqa: E402
+from smollm2_train import is_held_out  # noqa: E402
+
+from hf_dspark import DSparkDraftModel  # noqa: E402
+from hf_dspark.embedded import DRAFT_DIR, fast_dtype, load_target  # noqa: E402
+from hf_dspark.evaluation.bench import Method, bench, markdown_table  # noqa: E402
+
+
+def capped(target, draft, tokens: int | None) -> Method:
+    """The draft's own configuration with lookups of at most ``tokens`` (the methods share the draft object, so
+    each run sets the one field they differ in)."""
+
+    def run(ids, **kw):
+        draft.config.lookup_max_tokens = tokens
+        return target.generate(ids, assistant_model=draft, **kw)
+
+    return Method(f"lookup{tokens or draft.config.num_draft_tokens}", run, draft)
+
+
+def held_out_texts(per_source: int) -> dict[str, list[str]]:
+    """The first ``per_source`` held-out single-turn prompts of each training source, as text."""
+    texts: dict[str, list[str]] = {}
+    for p in recipe_prompts():
+        if is_held_out({"id": p.id}) and len(texts.setdefault(p.source, [])) < per_source:
+            texts[p.source].append(p.messages[0]["content"])
+    return texts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8, 12, 16, 24])
+    ap.add_argument("--per-source", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lookup_length")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(fast_dtype())
+    draft = DSparkDraftModel.from_pretrained(args.draft).attach(target).eval()
+    if not draft.config.lookup_max_ngram:
+        raise SystemExit(f"{args.draft} has lookup drafting off: nothing to measure")
+    methods = [
+        Method("plain", lambda ids, **kw: target.generate(ids, **kw)),
+        Method("prompt-lookup", lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=10, **kw)),
+        *[capped(target, draft, k) for k in args.tokens],
+    ]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for source, texts in held_out_texts(args.per_source).items():
+            path = Path(tmp) / f"{source}.jsonl"
+            path.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
+            result = bench(target, tokenizer, methods, str(path), max_new_tokens=args.max_new_tokens)
+            result["dataset"] = source
+            results.append(result)
+            print(markdown_table([result]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    setting = {"draft": str(args.draft), "tokens": args.tokens, "per_source": args.per_source}
+    (args.out / "lookup_length.json").write_text(json.dumps({"setting": setting, "results": results}, indent=1))
+    print(markdown_table(results))
+
+
+if __name__ == "__main__":
+    main()
