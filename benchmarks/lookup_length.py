@@ -71,18 +71,18 @@ def main() -> None:
         Method("prompt-lookup", lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=10, **kw)),
         *[capped(target, draft, k) for k in args.tokens],
     ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    setting = {"draft": str(args.draft), "tokens": args.tokens, "per_source": args.per_source}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for source, texts in held_out_texts(args.per_source).items():
             path = Path(tmp) / f"{source}.jsonl"
             path.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
             result = bench(target, tokenizer, methods, str(path), max_new_tokens=args.max_new_tokens)
-            result["dataset"] = source
-            results.append(result)
-            print(markdown_table([result]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    setting = {"draft": str(args.draft), "tokens": args.tokens, "per_source": args.per_source}
-    (args.out / "lookup_length.json").write_text(json.dumps({"setting": setting, "results": results}, indent=1))
+            results.append(result | {"dataset": source})
+            print(markdown_table(results[-1:]), flush=True)
+            # written after every source, so a run stopped by a failing one keeps what it measured
+            (args.out / "lookup_length.json").write_text(json.dumps({"setting": setting, "results": results}, indent=1))
     print(markdown_table(results))
 
 
