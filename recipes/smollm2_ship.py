@@ -184,8 +184,8 @@ def main() -> None:
     ap.add_argument("--name", default="hf-dspark/smollm2-135m-instruct-dspark", help="repository name in the card")
     ap.add_argument("--note", default=None, help="how the run went, if not in one go (training.json 'history')")
     ap.add_argument("--lookup", type=int, default=3, help="the shipped config's lookup_max_ngram (0: off)")
-    ap.add_argument("--lookup-tokens", type=int, default=24,
-                    help="the shipped config's lookup_max_tokens (benchmarks/results/lookup_length/)")  # fmt: skip
+    ap.add_argument("--lookup-tokens", type=int, default=None,
+                    help="the shipped config's lookup_max_tokens (default: γ)")  # fmt: skip
     args = ap.parse_args()
     if args.recalibrate:
         calibrate(args.out, args.calibration, args.blocks, args.objective)

@@ -184,14 +184,18 @@ def test_per_call_settings_leave_the_saved_config_alone():
         draft=draft,
         lookup_max_ngram=3,
         lookup_min_ngram=2,
+        lookup_max_tokens=10,
     )
     assert looked.tolist() == ref.tolist() and any(draft.stats.looked_up)
+    gamma = draft.config.num_draft_tokens
+    assert max(p for p, lk in zip(draft.stats.proposed, draft.stats.looked_up, strict=True) if lk) > gamma
     assert draft.config.to_dict() == before
     for bad, message in [
         (dict(verify_mode="fast"), "verify_mode must be one of"),
         (dict(verify_limit=-1), "verify_limit must be an int >= 0"),
         (dict(confidence_threshold=1.5), r"confidence_threshold must lie in \[0, 1\]"),
         (dict(lookup_max_ngram=2, lookup_min_ngram=3), "lookup_min_ngram must be an int between 1 and"),
+        (dict(lookup_max_ngram=2, lookup_max_tokens=0), "lookup_max_tokens must be an int >= 1"),
     ]:
         with pytest.raises(ValueError, match=message):
             target.generate(ids, max_new_tokens=4, custom_generate=dspark_generate, draft=draft, **bad)
