@@ -161,6 +161,11 @@ class DecodeState:
         """Row r's committed tokens [lengths[r]]: a view of the buffer."""
         return self.tokens[r, : self.lengths[r]]
 
+    def room(self, limit: int, max_length: int) -> list[int]:
+        """Per row, the most tokens it may verify this round: ``limit``, within what ``max_length`` leaves after
+        the bonus token (0 for a finished row)."""
+        return [0 if self.finished[r] else min(limit, max_length - self.lengths[r] - 1) for r in range(self.size)]
+
     def histories(self) -> list[torch.Tensor]:
         return [self.history(r) for r in range(self.size)]
 
@@ -334,7 +339,7 @@ class Schedule:
     def plan(self, state: DecodeState, max_length: int) -> RoundPlan:
         s = self.settings
         limit = min(self.draft_tokens, s.verify_limit if s.verify_limit is not None else self.draft_tokens)
-        room = [0 if state.finished[r] else min(limit, max_length - state.lengths[r] - 1) for r in range(state.size)]
+        room = state.room(limit, max_length)
         # a row whose recent tokens repeat earlier ones verifies what followed them instead of a drafted block, when
         # it is the only row running: in a batch every row shares the verify block's width, and lookups, which no
         # plan prices, widened it past what the scheduler pays for (R = 4: 58 tok/s against 67 scheduled)
@@ -352,7 +357,7 @@ class Schedule:
         limit = s.lookup_max_tokens or self.draft_tokens
         if s.verify_limit is not None:
             limit = min(limit, s.verify_limit)
-        return [0 if state.finished[r] else min(limit, max_length - state.lengths[r] - 1) for r in range(state.size)]
+        return state.room(limit, max_length)
 
     def lengths(self, plan: RoundPlan, proposal: Proposal, state: DecodeState) -> list[int]:
         """Tokens each row verifies: the plan's (closed while drafting, or chosen now from the whole block), a
