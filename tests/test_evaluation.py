@@ -188,6 +188,34 @@ def test_bench_output_check(dtype, tied_logits):
     assert "| humaneval | plain |" in table and table.rstrip().endswith("| 0/2 |")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bench_records_a_baselines_mismatch(dtype):
+    """Another library's method (``baseline=True``) that parts from plain greedy with no tie is recorded, with
+    where it parts, and the run goes on; the same method not marked a baseline stops the run."""
+    from hf_dspark.evaluation.bench import Method, bench, markdown_table
+
+    target = tiny_target("llama", vocab_size=96, dtype=dtype)
+    tokenizer = char_tokenizer()
+
+    def off_by_one(ids, **kw):
+        out = target.generate(ids, **kw)
+        out[0, -1] = (out[0, -1] + 1) % 96
+        return out
+
+    plain = Method("plain", lambda ids, **kw: target.generate(ids, **kw))
+    result = bench(target, tokenizer, [plain, Method("theirs", off_by_one, baseline=True)], "humaneval",
+                   limit=2, max_new_tokens=4, progress=False)  # fmt: skip
+    theirs = result["methods"][1]
+    assert theirs["same_as_plain"] == 0 and [u["prompt"] for u in theirs["unexplained"]] == [0, 1]
+    assert all("parts at new token 3" in u["divergence"] and "NOT a tie" in u["divergence"]
+               for u in theirs["unexplained"])  # fmt: skip
+    assert result["methods"][0]["unexplained"] == []
+    assert markdown_table([result]).rstrip().endswith("| 0/2 (2 no tie) |")
+    with pytest.raises(RuntimeError, match="ours produced a different greedy output"):
+        bench(target, tokenizer, [plain, Method("ours", off_by_one)], "humaneval", limit=1, max_new_tokens=4,
+              progress=False)  # fmt: skip
+
+
 def test_tie_check_asks_a_float32_copy_too():
     """A bfloat16 forward can separate two tokens by more than two rounding units that float32 puts within them
     (accumulated rounding over a long context): the float32 copy's verdict counts; without it, or when float32
