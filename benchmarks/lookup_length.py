@@ -1,14 +1,15 @@
 """How long a lookup continuation should be: the shipped configuration at several ``lookup_max_tokens``.
 
-    python benchmarks/lookup_length.py [--tokens 8 12 16 24] [--per-source 10] [--threads 2]
-        [--out benchmarks/results/lookup_length]
+    python benchmarks/lookup_length.py [--tokens 8 12 16 24] [--adaptive 24] [--per-source 10] [--threads 2]
+        [--sources ...] [--out benchmarks/results/lookup_length]
 
 The shipped draft as shipped (scheduled, lookup drafting over n-grams of 3..2 tokens) with each lookup cap, beside
 plain ``generate`` and transformers' prompt lookup (10 tokens), interleaved prompt by prompt (``hf-dspark bench``'s
 loop: greedy, bfloat16 where the CPU has bf16 units, 128 new tokens, every output checked against plain greedy).
 Prompts: the recipe's held-out training prompts, ``--per-source`` of each source (never trained on, and not the eval
 sets, so a cap chosen here is not fitted to the numbers the README reports). Prints a table per source and writes
-``<out>/lookup_length.json``.
+``<out>/lookup_length.json``. ``--adaptive K``: also the cap K with ``lookup_adaptive`` (lookups start at γ and
+double while accepted in full), named ``lookupKa``.
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ from hf_dspark.embedded import DRAFT_DIR, fast_dtype, load_target  # noqa: E402
 from hf_dspark.evaluation.bench import Method, bench, markdown_table  # noqa: E402
 
 
-def capped(target, draft, tokens: int | None) -> Method:
-    """The draft's own configuration with lookups of at most ``tokens`` (the methods share the draft object, so
-    each run sets the one field they differ in)."""
+def capped(target, draft, tokens: int | None, adaptive: bool = False) -> Method:
+    """The draft's own configuration with lookups of at most ``tokens``, grown from γ when ``adaptive`` (the
+    methods share the draft object, so each run sets the fields they differ in)."""
 
     def run(ids, **kw):
-        draft.config.lookup_max_tokens = tokens
+        draft.config.lookup_max_tokens, draft.config.lookup_adaptive = tokens, adaptive
         return target.generate(ids, assistant_model=draft, **kw)
 
-    return Method(f"lookup{tokens or draft.config.num_draft_tokens}", run, draft)
+    return Method(f"lookup{tokens or draft.config.num_draft_tokens}{'a' if adaptive else ''}", run, draft)
 
 
 def held_out_texts(per_source: int) -> dict[str, list[str]]:
@@ -55,7 +56,9 @@ def held_out_texts(per_source: int) -> dict[str, list[str]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 12, 16, 24])
+    ap.add_argument("--adaptive", type=int, nargs="*", default=[], metavar="K")
     ap.add_argument("--per-source", type=int, default=10)
+    ap.add_argument("--sources", nargs="*", default=None, help="the training sources to use (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
@@ -68,14 +71,24 @@ def main() -> None:
         raise SystemExit(f"{args.draft} has lookup drafting off: nothing to measure")
     methods = [
         Method("plain", lambda ids, **kw: target.generate(ids, **kw)),
-        Method("prompt-lookup", lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=10, **kw)),
+        Method(
+            "prompt-lookup", lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=10, **kw), baseline=True
+        ),
         *[capped(target, draft, k) for k in args.tokens],
+        *[capped(target, draft, k, adaptive=True) for k in args.adaptive],
     ]
     args.out.mkdir(parents=True, exist_ok=True)
-    setting = {"draft": str(args.draft), "tokens": args.tokens, "per_source": args.per_source}
+    setting = {
+        "draft": str(args.draft),
+        "tokens": args.tokens,
+        "adaptive": args.adaptive,
+        "per_source": args.per_source,
+    }
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for source, texts in held_out_texts(args.per_source).items():
+            if args.sources is not None and source not in args.sources:
+                continue
             path = Path(tmp) / f"{source}.jsonl"
             path.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
             result = bench(target, tokenizer, methods, str(path), max_new_tokens=args.max_new_tokens)

@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     draft.config.validate_lookup()
     lookup = draft.config.lookup_max_ngram
     longest = draft.config.lookup_max_tokens or draft.config.num_draft_tokens
+    grows = " (growing from γ while lookups are accepted in full)" if draft.config.lookup_adaptive else ""
     print(f"lookup drafting: n-grams of {lookup} to {draft.config.lookup_min_ngram} tokens, continued up to {longest}"
-          if lookup else "lookup drafting: off")  # fmt: skip
+          f"{grows}" if lookup else "lookup drafting: off")  # fmt: skip
     prompts = [_chat_ids(tokenizer, text) for text in _prompts(args.prompts, args.limit)]
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     how, profile_s, first_s = warm_up(target, draft, prompts[0])

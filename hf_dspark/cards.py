@@ -81,8 +81,9 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
         if c.draft_vocab_size is None
         else f"{c.draft_vocab_size} tokens (proposals restricted to them; verification uses the full vocabulary)",
         lookup=f"on: n-grams of {c.lookup_max_ngram} down to {c.lookup_min_ngram} tokens that occurred earlier are "
-        f"continued from the text (up to {c.lookup_max_tokens or c.num_draft_tokens} tokens), the draft proposes "
-        "elsewhere (`config.lookup_max_ngram = 0` turns it off)"
+        f"continued from the text (up to {c.lookup_max_tokens or c.num_draft_tokens} tokens"
+        f"{', growing from a block with each lookup accepted in full' if c.lookup_adaptive else ''}), the draft "
+        "proposes elsewhere (`config.lookup_max_ngram = 0` turns it off)"
         if c.lookup_max_ngram
         else "off (`config.lookup_max_ngram = 3` turns it on)",
         params=f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M",

@@ -51,6 +51,10 @@ class DSparkConfig(PretrainedConfig):
         lookup_max_tokens: the most tokens a lookup continuation verifies (``None``: γ, like a drafted block; never
             more than ``verify_limit`` when that is set). Repeats are often longer than a block, and on a target
             whose verify cost grows slowly with width a longer continuation costs little more.
+        lookup_adaptive: grow lookups with their success (off by default). On: a call's first lookup verifies at
+            most γ tokens; each lookup accepted in full doubles that width, up to ``lookup_max_tokens``, and a
+            lookup that is cut short sets it back to γ. A long repeat then verifies long continuations, while a
+            lookup that fails early costs a block's width, not the cap's.
     Training:
         loss_decay: position weights w_k = exp(-(k-1)/loss_decay); ``None`` means γ.
     """
@@ -92,6 +96,7 @@ class DSparkConfig(PretrainedConfig):
         lookup_max_ngram: int = 0,
         lookup_min_ngram: int = 2,
         lookup_max_tokens: int | None = None,
+        lookup_adaptive: bool = False,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -128,6 +133,7 @@ class DSparkConfig(PretrainedConfig):
         self.lookup_max_ngram = lookup_max_ngram
         self.lookup_min_ngram = lookup_min_ngram
         self.lookup_max_tokens = lookup_max_tokens
+        self.lookup_adaptive = lookup_adaptive
         self.initializer_range = initializer_range
         # `generate` compares vocab sizes of target and assistant before it reaches us: keep this one honest.
         kwargs.setdefault("vocab_size", target_vocab_size)
@@ -191,11 +197,13 @@ class DSparkConfig(PretrainedConfig):
 
     def validate_lookup(self) -> None:
         """Raise ``ValueError`` unless the lookup fields are off (``lookup_max_ngram`` = 0) or
-        1 <= ``lookup_min_ngram`` <= ``lookup_max_ngram``, and ``lookup_max_tokens`` is ``None`` or an int >= 1
-        (checked again by ``generate``: they may be changed on a loaded draft)."""
+        1 <= ``lookup_min_ngram`` <= ``lookup_max_ngram``, ``lookup_max_tokens`` is ``None`` or an int >= 1 and
+        ``lookup_adaptive`` a bool (checked again by ``generate``: they may be changed on a loaded draft)."""
         cap = self.lookup_max_tokens
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"lookup_max_tokens must be an int >= 1 (or None: γ), got {cap!r}")
+        if not isinstance(self.lookup_adaptive, bool):
+            raise ValueError(f"lookup_adaptive must be True or False, got {self.lookup_adaptive!r}")
         if not isinstance(self.lookup_max_ngram, int) or self.lookup_max_ngram < 0:
             raise ValueError(f"lookup_max_ngram must be an int >= 0 (0: off), got {self.lookup_max_ngram!r}")
         if self.lookup_max_ngram and not (

@@ -57,6 +57,7 @@ class DecodeSettings:
     lookup_max_ngram: int
     lookup_min_ngram: int
     lookup_max_tokens: int | None
+    lookup_adaptive: bool
 
     @classmethod
     def resolve(cls, draft: DSparkDraftModel, **overrides) -> DecodeSettings:
@@ -327,6 +328,7 @@ class Schedule:
     confidences: list[torch.Tensor] = field(default_factory=list)  # the last two drafted rounds' (async: the older)
     backoff: int = 0
     skip: int = 0  # rounds left that do not draft
+    lookup_width: int | None = None  # ``lookup_adaptive``: the most tokens the next lookup verifies (None: γ)
 
     @property
     def priced(self) -> bool:
@@ -352,12 +354,26 @@ class Schedule:
 
     def lookup_room(self, state: DecodeState, max_length: int) -> list[int]:
         """The most tokens each row's lookup continuation may verify this round: ``lookup_max_tokens`` (γ when
-        ``None``), within ``verify_limit`` and the room left before ``max_length``."""
+        ``None``; with ``lookup_adaptive``, the width its past lookups earned), within ``verify_limit`` and the room
+        left before ``max_length``."""
         s = self.settings
         limit = s.lookup_max_tokens or self.draft_tokens
+        if s.lookup_adaptive:
+            limit = min(limit, self.lookup_width or self.draft_tokens)
         if s.verify_limit is not None:
             limit = min(limit, s.verify_limit)
         return state.room(limit, max_length)
+
+    def observe(self, plan: RoundPlan, kept: torch.Tensor) -> None:
+        """After a verify (``kept`` [R, W]: the anchor and accepted slots per row): with ``lookup_adaptive``, a
+        lookup accepted in full doubles the next lookup's width (up to ``lookup_max_tokens``), one cut short sets
+        it back to γ. Only one row looks up in a round, so one width serves the call."""
+        if not self.settings.lookup_adaptive:
+            return
+        for r, found in plan.looked_up.items():
+            whole = int(kept[r].sum()) - 1 == found.shape[0]
+            cap = self.settings.lookup_max_tokens or self.draft_tokens
+            self.lookup_width = min(2 * found.shape[0], cap) if whole else None
 
     def lengths(self, plan: RoundPlan, proposal: Proposal, state: DecodeState) -> list[int]:
         """Tokens each row verifies: the plan's (closed while drafting, or chosen now from the whole block), a
@@ -515,6 +531,7 @@ def dspark_decode(
             raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
             check_finite(raw[block.valid])
             kept = accept(state, block, raw, plan, proposal, rules, outputs)
+            schedule.observe(plan, kept)
             if not state.active:
                 break
             state.advance(kept, fused, block.positions)

@@ -189,6 +189,13 @@ def test_per_call_settings_leave_the_saved_config_alone():
     assert looked.tolist() == ref.tolist() and any(draft.stats.looked_up)
     gamma = draft.config.num_draft_tokens
     assert max(p for p, lk in zip(draft.stats.proposed, draft.stats.looked_up, strict=True) if lk) > gamma
+    grown = target.generate(
+        ids, max_new_tokens=20, do_sample=False, custom_generate=dspark_generate, draft=draft,
+        lookup_max_ngram=3, lookup_min_ngram=2, lookup_max_tokens=10, lookup_adaptive=True,
+    )  # fmt: skip
+    assert grown.tolist() == ref.tolist()
+    first = next(p for p, lk in zip(draft.stats.proposed, draft.stats.looked_up, strict=True) if lk)
+    assert first <= gamma  # this call's lookups start at a block's width, the last call's started at 10
     assert draft.config.to_dict() == before
     for bad, message in [
         (dict(verify_mode="fast"), "verify_mode must be one of"),
@@ -196,6 +203,7 @@ def test_per_call_settings_leave_the_saved_config_alone():
         (dict(confidence_threshold=1.5), r"confidence_threshold must lie in \[0, 1\]"),
         (dict(lookup_max_ngram=2, lookup_min_ngram=3), "lookup_min_ngram must be an int between 1 and"),
         (dict(lookup_max_ngram=2, lookup_max_tokens=0), "lookup_max_tokens must be an int >= 1"),
+        (dict(lookup_max_ngram=2, lookup_adaptive="on"), "lookup_adaptive must be True or False"),
     ]:
         with pytest.raises(ValueError, match=message):
             target.generate(ids, max_new_tokens=4, custom_generate=dspark_generate, draft=draft, **bad)

@@ -55,6 +55,8 @@ def test_one_hot_probs():
         ({"lookup_max_tokens": 0}, r"lookup_max_tokens must be an int >= 1 \(or None: γ\), got 0"),
         ({"lookup_max_tokens": 2.5}, "lookup_max_tokens must be an int >= 1"),
         ({"lookup_max_tokens": True}, "lookup_max_tokens must be an int >= 1"),
+        ({"lookup_adaptive": 1}, "lookup_adaptive must be True or False, got 1"),
+        ({"lookup_adaptive": "yes"}, "lookup_adaptive must be True or False"),
     ],
 )
 def test_config_refuses_bad_lookup_fields(fields, message):
@@ -74,11 +76,14 @@ def test_lookup_fields_survive_save_and_load(tmp_path):
     target = tiny_target()
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.config.lookup_max_ngram, draft.config.lookup_min_ngram, draft.config.lookup_max_tokens = 3, 1, 12
+    draft.config.lookup_adaptive = True
     draft.save_pretrained(tmp_path)
     loaded = DSparkConfig.from_pretrained(tmp_path)
     assert (loaded.lookup_max_ngram, loaded.lookup_min_ngram, loaded.lookup_max_tokens) == (3, 1, 12)
+    assert loaded.lookup_adaptive is True
     assert DSparkConfig().lookup_max_ngram == 0  # off unless asked for
     assert DSparkConfig().lookup_max_tokens is None  # a continuation as long as a block unless asked for
+    assert DSparkConfig().lookup_adaptive is False  # a fixed width unless asked for
 
 
 # a prompt that repeats itself, so lookups match from the first round on
@@ -135,6 +140,39 @@ def test_lookup_continuations_longer_than_a_block_stay_exact_and_respect_verify_
     out = target.generate(REPEATING, max_new_tokens=40, do_sample=False, assistant_model=draft)
     assert out.tolist() == ref.tolist()
     assert max(draft.stats.proposed) <= 2 and any(draft.stats.looked_up)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "scheduled"])
+def test_adaptive_lookups_grow_while_accepted_in_full_and_stay_exact(mode):
+    """``lookup_adaptive``: the first lookup verifies γ, each one accepted in full doubles the next (up to
+    ``lookup_max_tokens``), one cut short sets it back to γ; drafted rounds in between change nothing. Output:
+    plain greedy's."""
+    target = tiny_target(dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.config.verify_mode = mode
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
+    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 3, 1
+    draft.config.lookup_max_tokens, draft.config.lookup_adaptive = 12, True
+    gamma, new_tokens = draft.config.num_draft_tokens, 60
+    for ids in (REPEATING, torch.tensor([[40, 3, 77, 12]])):
+        ref = target.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        out = target.generate(ids, max_new_tokens=new_tokens, do_sample=False, assistant_model=draft)
+        assert out.tolist() == ref.tolist()
+    stats = draft.stats  # the last prompt's
+    width, produced, grew, reset = gamma, 1, False, False
+    for proposed, accepted, committed, looked in zip(
+        stats.proposed, stats.accepted, stats.committed, stats.looked_up, strict=True
+    ):
+        if looked:
+            assert proposed == min(width, new_tokens - produced - 1)
+            whole = accepted == proposed
+            grew, reset = grew or (whole and proposed < 12), reset or not whole
+            width = min(2 * proposed, 12) if whole else gamma
+        else:
+            assert proposed <= gamma
+        produced += committed
+    assert grew and reset  # both branches of the rule were taken
+    assert max(stats.proposed) > gamma
 
 
 def test_a_round_where_every_row_looks_up_does_not_draft(monkeypatch):
