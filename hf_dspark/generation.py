@@ -366,14 +366,15 @@ class Schedule:
 
     def observe(self, plan: RoundPlan, kept: torch.Tensor) -> None:
         """After a verify (``kept`` [R, W]: the anchor and accepted slots per row): with ``lookup_adaptive``, a
-        lookup accepted in full doubles the next lookup's width (up to ``lookup_max_tokens``), one cut short sets
-        it back to γ. Only one row looks up in a round, so one width serves the call."""
+        lookup accepted in full makes the next lookup's width twice its length (at least γ: a short continuation
+        accepted whole is no reason to verify less than a drafted block; at most ``lookup_max_tokens``), one cut
+        short sets it back to γ. Only one row looks up in a round, so one width serves the call."""
         if not self.settings.lookup_adaptive:
             return
         for r, found in plan.looked_up.items():
             whole = int(kept[r].sum()) - 1 == found.shape[0]
             cap = self.settings.lookup_max_tokens or self.draft_tokens
-            self.lookup_width = min(2 * found.shape[0], cap) if whole else None
+            self.lookup_width = max(self.draft_tokens, min(2 * found.shape[0], cap)) if whole else None
 
     def lengths(self, plan: RoundPlan, proposal: Proposal, state: DecodeState) -> list[int]:
         """Tokens each row verifies: the plan's (closed while drafting, or chosen now from the whole block), a

@@ -144,9 +144,9 @@ def test_lookup_continuations_longer_than_a_block_stay_exact_and_respect_verify_
 
 @pytest.mark.parametrize("mode", ["fixed", "scheduled"])
 def test_adaptive_lookups_grow_while_accepted_in_full_and_stay_exact(mode):
-    """``lookup_adaptive``: the first lookup verifies γ, each one accepted in full doubles the next (up to
-    ``lookup_max_tokens``), one cut short sets it back to γ; drafted rounds in between change nothing. Output:
-    plain greedy's."""
+    """``lookup_adaptive``: the first lookup verifies γ, each one accepted in full doubles the next (from its own
+    length, never below γ, up to ``lookup_max_tokens``), one cut short sets it back to γ; drafted rounds in
+    between change nothing. Output: plain greedy's."""
     target = tiny_target(dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.config.verify_mode = mode
@@ -167,12 +167,38 @@ def test_adaptive_lookups_grow_while_accepted_in_full_and_stay_exact(mode):
             assert proposed == min(width, new_tokens - produced - 1)
             whole = accepted == proposed
             grew, reset = grew or (whole and proposed < 12), reset or not whole
-            width = min(2 * proposed, 12) if whole else gamma
+            width = max(gamma, min(2 * proposed, 12)) if whole else gamma
         else:
             assert proposed <= gamma
         produced += committed
     assert grew and reset  # both branches of the rule were taken
     assert max(stats.proposed) > gamma
+
+
+def test_adaptive_lookup_width_rule():
+    """The width rule on its own: a short continuation accepted whole earns twice its length but never less than
+    γ, a long one at most ``lookup_max_tokens``, and one cut short goes back to γ (``None``)."""
+    from hf_dspark.generation import DecodeSettings, RoundPlan, Schedule
+
+    draft = DSparkDraftModel.from_target(tiny_target(), block_size=4, head_rank=8)
+    draft.config.lookup_max_tokens, draft.config.lookup_adaptive = 12, True
+    gamma = draft.config.num_draft_tokens
+    schedule = Schedule(DecodeSettings.resolve(draft), gamma)
+
+    def verified(found: int, accepted: int) -> int | None:
+        kept = torch.zeros(1, 13, dtype=torch.bool)
+        kept[0, : accepted + 1] = True  # the anchor and the accepted slots
+        schedule.observe(RoundPlan([0], {0: torch.arange(found)}, None), kept)
+        return schedule.lookup_width
+
+    assert gamma > 2
+    assert verified(found=1, accepted=1) == gamma
+    assert verified(found=gamma, accepted=gamma) == min(2 * gamma, 12)
+    assert verified(found=12, accepted=12) == 12
+    assert verified(found=12, accepted=5) is None
+    draft.config.lookup_adaptive = False
+    schedule = Schedule(DecodeSettings.resolve(draft), gamma)
+    assert verified(found=gamma, accepted=gamma) is None  # the rule is off
 
 
 def test_a_round_where_every_row_looks_up_does_not_draft(monkeypatch):
