@@ -1,7 +1,7 @@
 """How long a lookup continuation should be: the shipped configuration at several ``lookup_max_tokens``.
 
     python benchmarks/lookup_length.py [--tokens 8 12 16 24] [--adaptive 24] [--per-source 10] [--threads 2]
-        [--sources ...] [--out benchmarks/results/lookup_length]
+        [--sources ...] [--eval-sets humaneval gsm8k mt-bench --limit 15] [--out benchmarks/results/lookup_length]
 
 The shipped draft as shipped (scheduled, lookup drafting over n-grams of 3..2 tokens) with each lookup cap, beside
 plain ``generate`` and transformers' prompt lookup (10 tokens), interleaved prompt by prompt (``hf-dspark bench``'s
@@ -9,7 +9,8 @@ loop: greedy, bfloat16 where the CPU has bf16 units, 128 new tokens, every outpu
 Prompts: the recipe's held-out training prompts, ``--per-source`` of each source (never trained on, and not the eval
 sets, so a cap chosen here is not fitted to the numbers the README reports). Prints a table per source and writes
 ``<out>/lookup_length.json``. ``--adaptive K``: also the cap K with ``lookup_adaptive`` (lookups start at γ and
-double while accepted in full), named ``lookupKa``.
+double while accepted in full), named ``lookupKa``. ``--eval-sets``: run on the first ``--limit`` prompts of these
+shipped eval sets instead, to confirm a cap chosen on the held-out prompts.
 """
 
 from __future__ import annotations
@@ -59,13 +60,16 @@ def main() -> None:
     ap.add_argument("--adaptive", type=int, nargs="*", default=[], metavar="K")
     ap.add_argument("--per-source", type=int, default=10)
     ap.add_argument("--sources", nargs="*", default=None, help="the training sources to use (default: all)")
+    ap.add_argument("--eval-sets", nargs="*", default=None, help="shipped eval sets to run instead (e.g. gsm8k)")
+    ap.add_argument("--limit", type=int, default=15, help="prompts per eval set (with --eval-sets)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lookup_length")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_target(fast_dtype())
+    dtype = fast_dtype()
+    target, tokenizer = load_target(dtype)
     draft = DSparkDraftModel.from_pretrained(args.draft).attach(target).eval()
     if not draft.config.lookup_max_ngram:
         raise SystemExit(f"{args.draft} has lookup drafting off: nothing to measure")
@@ -83,19 +87,31 @@ def main() -> None:
         "tokens": args.tokens,
         "adaptive": args.adaptive,
         "per_source": args.per_source,
+        "eval_sets": args.eval_sets,
+        "limit": args.limit if args.eval_sets else None,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": args.threads,
     }
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for source, texts in held_out_texts(args.per_source).items():
-            if args.sources is not None and source not in args.sources:
-                continue
-            path = Path(tmp) / f"{source}.jsonl"
-            path.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
-            result = bench(target, tokenizer, methods, str(path), max_new_tokens=args.max_new_tokens)
-            results.append(result | {"dataset": source})
-            print(markdown_table(results[-1:]), flush=True)
-            # written after every source, so a run stopped by a failing one keeps what it measured
-            (args.out / "lookup_length.json").write_text(json.dumps({"setting": setting, "results": results}, indent=1))
+
+    def measure(dataset: str, name: str, limit: int | None = None) -> None:
+        result = bench(target, tokenizer, methods, dataset, limit=limit, max_new_tokens=args.max_new_tokens)
+        results.append(result | {"dataset": name})
+        print(markdown_table(results[-1:]), flush=True)
+        # written after every set, so a run stopped by a failing one keeps what it measured
+        (args.out / "lookup_length.json").write_text(json.dumps({"setting": setting, "results": results}, indent=1))
+
+    if args.eval_sets:
+        for name in args.eval_sets:
+            measure(name, name, args.limit)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for source, texts in held_out_texts(args.per_source).items():
+                if args.sources is not None and source not in args.sources:
+                    continue
+                path = Path(tmp) / f"{source}.jsonl"
+                path.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
+                measure(str(path), source)
     print(markdown_table(results))
 
 
