@@ -31,6 +31,7 @@ from .checks import check_cache, check_finite, check_supported, sliding_window
 from .configuration_dspark import VERIFY_LAYOUTS, VERIFY_MODES, DSparkConfig
 from .costs import profile_rows, round_prices
 from .drafting import DraftContext, LayerTap, Proposal, draft_block
+from .lm_head import verify_head
 from .lookup import lookups, one_hot_probs
 from .modeling_dspark import DSparkDraftModel
 from .scheduler import ColumnPlan, SPSProfile, choose_lengths, column_plan, drafting_pays
@@ -108,14 +109,15 @@ def target_forward(target, ids, positions, attention_mask, cache, tap: LayerTap,
     extra = {"logits_to_keep": 1} if last_logits_only and _takes_logits_to_keep(type(target)) else {}
     extra[cache_argument(type(target))] = cache
     tap.expect(ids.shape[0], ids.shape[1], ids.device)
-    out = target(
-        input_ids=ids,
-        position_ids=positions,
-        attention_mask=attention_mask,
-        use_cache=True,
-        output_hidden_states=not tap.active,
-        **extra,
-    )
+    with verify_head(target):
+        out = target(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=attention_mask,
+            use_cache=True,
+            output_hidden_states=not tap.active,
+            **extra,
+        )
     return out, tap.fused(out)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .configuration_dspark import VERIFY_LAYOUTS
+from .lm_head import head_orientation, verify_head
 
 CACHE_DIR = Path(os.environ.get("HF_DSPARK_CACHE", "~/.cache/hf_dspark")).expanduser() / "sps"
 # A cached profile records how long a one-token step on a short cache took when it was measured (the probe). If the
@@ -115,6 +116,7 @@ class SPSProfile:
             "context": context,
             "rows": rows,
             "call": "loop-v2",  # what is timed: the loop's call (positions, hidden states, masked batches)
+            "lm_head": head_orientation(target),  # how the loop computes the head's logits here (lm_head.py)
         }
         return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20], ident
 
@@ -198,8 +200,9 @@ def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5
 
     def forward(start: int, stop: int):
         attention = mask[:, :stop] if rows > 1 else None
-        target(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], attention_mask=attention,
-               use_cache=True, **{cache_argument(type(target)): cache})  # fmt: skip
+        with verify_head(target):
+            target(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], attention_mask=attention,
+                   use_cache=True, **{cache_argument(type(target)): cache})  # fmt: skip
 
     cache = DynamicCache()
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None

@@ -1,0 +1,97 @@
+"""The target's LM head over a verify block, in whichever of two matmul orientations is faster on this engine.
+
+A verify asks for logits at a few positions: ``F.linear(h, W)`` with h [M, d], M = 2..γ+1, against the head's
+[V, d] weight (V = 49,152 for SmolLM2). Some CPU BLAS builds take a slow small-M GEMM path for that shape: on a
+2-core AMD EPYC in float32, 2 rows cost 2.2x one row and 3 rows 3.2x, while ``W @ hᵀ`` (the same dot products)
+costs about one row's time up to 5 rows, and whole verify steps ran 8-25% faster with it. Other engines may not
+care, so the choice is measured once per (dtype, shape, threads) on the CPU, never assumed; GPUs keep ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 64  # the orientation is timed at verify-sized inputs; beyond this ``F.linear`` is left to do its job
+PAYS = 0.8  # transposed must take at most this fraction of F.linear's time to be used
+MIN_ELEMENTS = 1 << 20  # a smaller head costs too little for its orientation to matter: left alone, untimed
+_choices: dict[tuple, bool] = {}
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [..., d], weight [V, d] -> [..., V], computed as ``weight @ xᵀ`` when x
+    holds 2..``MAX_ROWS`` rows (else by ``F.linear``). Same products, another summation order: results agree to
+    rounding, not bit for bit."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 2 <= rows <= MAX_ROWS:
+        return F.linear(x, weight, bias)
+    out = (weight @ x.reshape(rows, -1).T).T.contiguous()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def transposed_pays(weight: torch.Tensor) -> bool:
+    """Whether :func:`few_rows_linear` beats ``F.linear`` on a verify-sized input (8 rows) against ``weight`` on
+    this engine: timed once per (dtype, shape, threads) on the CPU (median of 3 after a warm-up each); ``False``
+    on any other device and for heads under ``MIN_ELEMENTS`` weights."""
+    if weight.device.type != "cpu" or weight.numel() < MIN_ELEMENTS:
+        return False
+    key = (weight.dtype, tuple(weight.shape), torch.get_num_threads())
+    if key not in _choices:
+        x = torch.randn(8, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        with torch.no_grad():
+            linear = _median_seconds(functools.partial(F.linear, x, weight))
+            transposed = _median_seconds(functools.partial(few_rows_linear, x, weight))
+        _choices[key] = transposed <= PAYS * linear
+    return _choices[key]
+
+
+def _median_seconds(fn, reps: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def plain_linear_head(target) -> torch.nn.Linear | None:
+    """The target's output embeddings when they are a plain ``nn.Linear`` nobody has wrapped (no hooks, no
+    accelerate offload hook, no patched ``forward``), else ``None``: only such a head is safe to re-route."""
+    head = target.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head._forward_hooks or head._forward_pre_hooks:
+        return None
+    if hasattr(head, "_hf_hook") or "forward" in vars(head):
+        return None
+    return head
+
+
+def head_orientation(target) -> str:
+    """``"transposed"`` when :func:`verify_head` re-routes the target's head on this engine, else ``"linear"``."""
+    head = plain_linear_head(target)
+    return "transposed" if head is not None and transposed_pays(head.weight) else "linear"
+
+
+@contextlib.contextmanager
+def verify_head(target) -> Iterator[None]:
+    """Within this block, the target's LM head computes few-row inputs by :func:`few_rows_linear` where that is
+    the faster orientation here (:func:`head_orientation`); otherwise, and after the block, it is untouched. The
+    decoding loop's verify forwards and the SPS profile's timed steps run inside it, so the scheduler prices the
+    head the loop uses."""
+    if head_orientation(target) != "transposed":
+        yield
+        return
+    head = target.get_output_embeddings()
+    head.forward = functools.partial(few_rows_linear, weight=head.weight, bias=head.bias)
+    try:
+        yield
+    finally:
+        del head.forward
