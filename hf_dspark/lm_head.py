@@ -69,9 +69,13 @@ def plain_linear_head(target) -> torch.nn.Linear | None:
     head = target.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head._forward_hooks or head._forward_pre_hooks:
         return None
-    if hasattr(head, "_hf_hook") or "forward" in vars(head):
+    if hasattr(head, "_hf_hook") or ("forward" in vars(head) and not _ours(head)):
         return None
     return head
+
+
+def _ours(head: torch.nn.Module) -> bool:
+    return getattr(vars(head).get("forward"), "hf_dspark_verify_head", False)
 
 
 def head_orientation(target) -> str:
@@ -85,13 +89,16 @@ def verify_head(target) -> Iterator[None]:
     """Within this block, the target's LM head computes few-row inputs by :func:`few_rows_linear` where that is
     the faster orientation here (:func:`head_orientation`); otherwise, and after the block, it is untouched. The
     decoding loop's verify forwards and the SPS profile's timed steps run inside it, so the scheduler prices the
-    head the loop uses."""
-    if head_orientation(target) != "transposed":
+    head the loop uses. Re-entering (or a second thread) while it is routed leaves the route as it is."""
+    head = target.get_output_embeddings()
+    if head_orientation(target) != "transposed" or _ours(head):  # off here, or another call already routed it
         yield
         return
-    head = target.get_output_embeddings()
-    head.forward = functools.partial(few_rows_linear, weight=head.weight, bias=head.bias)
+    route = functools.partial(few_rows_linear, weight=head.weight, bias=head.bias)
+    route.hf_dspark_verify_head = True
+    head.forward = route
     try:
         yield
     finally:
-        del head.forward
+        # a call in another thread that entered meanwhile runs on with F.linear from here: slower, same numbers
+        vars(head).pop("forward", None)

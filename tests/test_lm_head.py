@@ -39,6 +39,13 @@ def test_verify_head_reroutes_a_plain_linear_and_restores_it(transposed):
         h = torch.randn(1, 5, head.in_features)
         torch.testing.assert_close(head(h), F.linear(h, head.weight))
     assert "forward" not in vars(head)
+    with verify_head(target):
+        route = vars(head)["forward"]
+        assert head_orientation(target) == "transposed"  # its own route does not count as someone else's patch
+        with verify_head(target):
+            assert vars(head)["forward"] is route
+        assert vars(head)["forward"] is route  # the inner block leaves the outer one's route in place
+    assert "forward" not in vars(head)
     with pytest.raises(RuntimeError, match="inside"):
         with verify_head(target):
             raise RuntimeError("inside")
@@ -53,6 +60,11 @@ def test_verify_head_leaves_wrapped_or_unpaying_heads_alone(transposed, monkeypa
     with verify_head(target):
         assert "forward" not in vars(head)
     handle.remove()
+    head.forward = lambda x: torch.nn.functional.linear(x, head.weight)  # someone else's patch
+    assert head_orientation(target) == "linear"
+    with verify_head(target):
+        assert vars(head)["forward"].__name__ == "<lambda>"
+    del head.forward
     monkeypatch.setattr(lm_head, "transposed_pays", lambda weight: False)
     assert head_orientation(target) == "linear"
     with verify_head(target):
