@@ -90,8 +90,8 @@ def verify_head(target) -> Iterator[None]:
     the faster orientation here (:func:`head_orientation`); otherwise, and after the block, it is untouched. The
     decoding loop's verify forwards and the SPS profile's timed steps run inside it, so the scheduler prices the
     head the loop uses. Re-entering (or a second thread) while it is routed leaves the route as it is."""
-    head = target.get_output_embeddings()
-    if head_orientation(target) != "transposed" or _ours(head):  # off here, or another call already routed it
+    head = plain_linear_head(target)
+    if head is None or _ours(head) or not transposed_pays(head.weight):  # off here, or already routed
         yield
         return
     route = functools.partial(few_rows_linear, weight=head.weight, bias=head.bias)
