@@ -55,6 +55,9 @@ class DSparkConfig(PretrainedConfig):
             most γ tokens; each lookup accepted in full doubles that width, up to ``lookup_max_tokens``, and a
             lookup that is cut short sets it back to γ. A long repeat then verifies long continuations, while a
             lookup that fails early costs a block's width, not the cap's.
+        confidence_recalibration: (``scheduled``/``async``) shift the head's confidences, per call, toward the
+            acceptance observed in that call's own earlier rounds (``hf_dspark.recalibration``; on by default), so
+            a prompt much easier or harder than the calibration set's average is priced by what it does.
     Training:
         loss_decay: position weights w_k = exp(-(k-1)/loss_decay); ``None`` means γ.
     """
@@ -97,6 +100,7 @@ class DSparkConfig(PretrainedConfig):
         lookup_min_ngram: int = 2,
         lookup_max_tokens: int | None = None,
         lookup_adaptive: bool = False,
+        confidence_recalibration: bool = True,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -134,6 +138,7 @@ class DSparkConfig(PretrainedConfig):
         self.lookup_min_ngram = lookup_min_ngram
         self.lookup_max_tokens = lookup_max_tokens
         self.lookup_adaptive = lookup_adaptive
+        self.confidence_recalibration = confidence_recalibration
         self.initializer_range = initializer_range
         # `generate` compares vocab sizes of target and assistant before it reaches us: keep this one honest.
         kwargs.setdefault("vocab_size", target_vocab_size)
@@ -184,6 +189,8 @@ class DSparkConfig(PretrainedConfig):
         self.validate_lookup()
         if not 0 <= self.confidence_threshold <= 1:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
+        if not isinstance(self.confidence_recalibration, bool):
+            raise ValueError(f"confidence_recalibration must be True or False, got {self.confidence_recalibration!r}")
         if self.draft_vocab_size is not None and not (
             1 <= self.draft_vocab_size <= (self.target_vocab_size or self.draft_vocab_size)
         ):

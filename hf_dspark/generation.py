@@ -34,6 +34,7 @@ from .drafting import DraftContext, LayerTap, Proposal, draft_block
 from .lm_head import verify_head
 from .lookup import lookups, one_hot_probs
 from .modeling_dspark import DSparkDraftModel
+from .recalibration import AcceptanceRecalibration
 from .scheduler import ColumnPlan, SPSProfile, choose_lengths, column_plan, drafting_pays
 from .stats import DSparkStats
 from .verify import probs, process, verify_row
@@ -59,6 +60,7 @@ class DecodeSettings:
     lookup_min_ngram: int
     lookup_max_tokens: int | None
     lookup_adaptive: bool
+    confidence_recalibration: bool
 
     @classmethod
     def resolve(cls, draft: DSparkDraftModel, **overrides) -> DecodeSettings:
@@ -81,6 +83,9 @@ class DecodeSettings:
             raise ValueError(f"verify_limit must be an int >= 0 (or None: the draft's num_draft_tokens), got {limit!r}")
         if not 0 <= values["confidence_threshold"] <= 1:
             raise ValueError(f"confidence_threshold must lie in [0, 1], got {values['confidence_threshold']!r}")
+        recalibrate = values["confidence_recalibration"]
+        if not isinstance(recalibrate, bool):
+            raise ValueError(f"confidence_recalibration must be True or False, got {recalibrate!r}")
         if values["verify_layout"] not in VERIFY_LAYOUTS:
             raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {values['verify_layout']!r}")
         settings = cls(**values)
@@ -331,6 +336,11 @@ class Schedule:
     backoff: int = 0
     skip: int = 0  # rounds left that do not draft
     lookup_width: int | None = None  # ``lookup_adaptive``: the most tokens the next lookup verifies (None: γ)
+    recalibration: AcceptanceRecalibration | None = None  # priced modes: the head's confidences, shifted per call
+
+    def __post_init__(self):
+        if self.priced and self.settings.confidence_recalibration:
+            self.recalibration = AcceptanceRecalibration(self.draft_tokens)
 
     @property
     def priced(self) -> bool:
@@ -351,7 +361,9 @@ class Schedule:
         looked_up = lookups(s, state.histories(), self.lookup_room(state, max_length)) if alone else {}
         caps = [0 if self.skip or r in looked_up else room[r] for r in range(state.size)]
         self.skip = max(self.skip - 1, 0)
-        planner = column_plan(s.verify_mode, s.verify_layout, caps, self.planning, s.confidence_threshold)
+        planner = column_plan(
+            s.verify_mode, s.verify_layout, caps, self.planning, s.confidence_threshold, self.recalibration
+        )
         return RoundPlan(caps, looked_up, planner)
 
     def lookup_room(self, state: DecodeState, max_length: int) -> list[int]:
@@ -366,11 +378,16 @@ class Schedule:
             limit = min(limit, s.verify_limit)
         return state.room(limit, max_length)
 
-    def observe(self, plan: RoundPlan, kept: torch.Tensor) -> None:
-        """After a verify (``kept`` [R, W]: the anchor and accepted slots per row): with ``lookup_adaptive``, a
-        lookup accepted in full makes the next lookup's width twice its length (at least γ: a short continuation
-        accepted whole is no reason to verify less than a drafted block; at most ``lookup_max_tokens``), one cut
-        short sets it back to γ. Only one row looks up in a round, so one width serves the call."""
+    def observe(self, plan: RoundPlan, kept: torch.Tensor, proposal: Proposal, lengths: list[int]) -> None:
+        """After a verify (``kept`` [R, W]: the anchor and accepted slots per row): each drafted row's acceptance
+        feeds the recalibration. With ``lookup_adaptive``, a lookup accepted in full makes the next lookup's width
+        twice its length (at least γ: a short continuation accepted whole is no reason to verify less than a
+        drafted block; at most ``lookup_max_tokens``), one cut short sets it back to γ. Only one row looks up in a
+        round, so one width serves the call."""
+        if self.recalibration is not None and proposal.confidences is not None:
+            for r, ell in enumerate(lengths):
+                if ell and r not in plan.looked_up:
+                    self.recalibration.observe(proposal.confidences[r, :ell].tolist(), int(kept[r].sum()) - 1)
         if not self.settings.lookup_adaptive:
             return
         for r, found in plan.looked_up.items():
@@ -386,10 +403,12 @@ class Schedule:
             lengths = plan.planner.lengths
         else:
             lengths = choose_lengths(
-                s.verify_mode, conf, plan.caps, self.confidences, self.planning, s.confidence_threshold, s.verify_layout
-            )
+                s.verify_mode, conf, plan.caps, self.confidences, self.planning, s.confidence_threshold,
+                s.verify_layout, self.recalibration,
+            )  # fmt: skip
         if conf is not None and conf.shape[1]:
-            self.confidences = [*self.confidences[-1:], conf.cpu()]
+            priced = conf if self.recalibration is None else self.recalibration.apply(conf)
+            self.confidences = [*self.confidences[-1:], priced.cpu()]
             if self.priced:
                 drafted = [r for r in state.active if r not in plan.looked_up]
                 expected = [lengths[r] for r in drafted]
@@ -534,7 +553,7 @@ def dspark_decode(
             raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
             check_finite(raw[block.valid])
             kept = accept(state, block, raw, plan, proposal, rules, outputs)
-            schedule.observe(plan, kept)
+            schedule.observe(plan, kept, proposal, lengths)
             if not state.active:
                 break
             state.advance(kept, fused, block.positions)

@@ -75,6 +75,7 @@ def dspark_generate(
     lookup_min_ngram: int | None = None,
     lookup_max_tokens: int | None = None,
     lookup_adaptive: bool | None = None,
+    confidence_recalibration: bool | None = None,
     **model_kwargs,
 ):
     """DSpark decoding as a ``custom_generate`` callable: ``target.generate(**inputs,
@@ -83,8 +84,8 @@ def dspark_generate(
     ``generate`` passes the prepared ``input_ids`` [R, P] (left-padded for a batch), logits processors, stopping
     criteria, generation config and model kwargs (attention mask, cache), plus the keywords this signature declares:
     ``draft``, and this call's settings (``verify_mode``, ``verify_limit``, ``confidence_threshold``,
-    ``lookup_max_ngram``, ``lookup_min_ngram``, ``lookup_max_tokens``, ``lookup_adaptive``; ``None``: the draft's
-    saved config, which is never changed).
+    ``lookup_max_ngram``, ``lookup_min_ngram``, ``lookup_max_tokens``, ``lookup_adaptive``,
+    ``confidence_recalibration``; ``None``: the draft's saved config, which is never changed).
     Returns what :func:`dspark_decode` returns: sequences [R, P + new], or a ``DSparkGenerateOutput`` (with this
     call's ``dspark_stats``) with ``return_dict_in_generate=True``.
 
@@ -105,7 +106,7 @@ def dspark_generate(
     settings = DecodeSettings.resolve(
         draft, verify_mode=verify_mode, verify_limit=verify_limit, confidence_threshold=confidence_threshold,
         lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram, lookup_max_tokens=lookup_max_tokens,
-        lookup_adaptive=lookup_adaptive,
+        lookup_adaptive=lookup_adaptive, confidence_recalibration=confidence_recalibration,
     )  # fmt: skip
     return dspark_decode(
         model, input_ids, logits_processor, stopping_criteria, generation_config, draft=draft,

@@ -25,6 +25,7 @@ import torch
 
 from .configuration_dspark import VERIFY_LAYOUTS
 from .lm_head import head_orientation, verify_head
+from .recalibration import AcceptanceRecalibration
 
 CACHE_DIR = Path(os.environ.get("HF_DSPARK_CACHE", "~/.cache/hf_dspark")).expanduser() / "sps"
 # A cached profile records how long a one-token step on a short cache took when it was measured (the probe). If the
@@ -270,6 +271,7 @@ class ColumnPlan:
     otherwise (``sps`` given) Algorithm 1 on a padded [R, 1 + ℓ] verify block: column ℓ joins while
     Θ(ℓ) = (R + Σ_r Σ_{j ≤ ℓ} a_{r,j})·SPS(R·(1 + ℓ)) improves, a = prefix survival, and the first column that
     does not improve Θ ends the plan. O(R) per column, so the check after each drafted slot costs no re-plan.
+    ``recalibration`` (with ``sps``): shift each column's confidences by what the call has observed so far.
     """
 
     def __init__(
@@ -277,10 +279,13 @@ class ColumnPlan:
         caps: list[int],
         sps: SPSProfile | Callable[[int], float] | None = None,
         threshold: float | None = None,
+        recalibration: AcceptanceRecalibration | None = None,
     ):
         if (sps is None) == (threshold is None):
             raise ValueError("give exactly one of sps (scheduled) or threshold")
-        self.caps, self.sps, self.threshold = list(caps), sps, threshold
+        if recalibration is not None and threshold is not None:
+            raise ValueError("a threshold applies to the head's own confidences: no recalibration")
+        self.caps, self.sps, self.threshold, self.recalibration = list(caps), sps, threshold, recalibration
         R = len(self.caps)
         self.survival = [1.0] * R  # a_{r,ℓ}; with a threshold, 1.0 while row r's prefix passes, else 0.0
         self.passed = [0] * R  # with a threshold: each row's passing prefix
@@ -298,6 +303,8 @@ class ColumnPlan:
         if not all(0.0 <= c <= 1.0 for c in values):  # also rejects NaN
             raise ValueError("confidences must be probabilities in [0, 1]")
         k, R = self.width + 1, len(self.caps)
+        if self.recalibration is not None:
+            values = self.recalibration.apply(torch.tensor(values, dtype=torch.float64), start=k - 1).tolist()
         for r, c in enumerate(values):
             if k > self.caps[r]:
                 c = 0.0
@@ -416,22 +423,27 @@ def fill_top_k(confidences: torch.Tensor, capacity: int) -> list[int]:
     return lengths
 
 
-def choose_lengths(mode, confidences, caps, history, sps, threshold, layout: str = "padded") -> list[int]:
+def choose_lengths(
+    mode, confidences, caps, history, sps, threshold, layout: str = "padded", recalibration=None
+) -> list[int]:
     """Draft tokens each row verifies. ``caps`` [R] bound them (length limit; 0 for finished rows); confidences
     beyond a cap count as 0, so the planners never admit them. ``history`` holds past rounds' confidences
-    (the asynchronous variant sizes its capacity from the one two rounds back). ``layout``: ``padded`` plans
-    whole columns of the [R, 1 + ℓ] verify block this loop runs (every row then verifies up to its cap),
-    ``packed`` plans tokens as the paper's Algorithm 1 does for ragged kernels (B = Σ_r (1 + ℓ_r))."""
+    (the asynchronous variant sizes its capacity from the one two rounds back; give them recalibrated).
+    ``layout``: ``padded`` plans whole columns of the [R, 1 + ℓ] verify block this loop runs (every row then
+    verifies up to its cap), ``packed`` plans tokens as the paper's Algorithm 1 does for ragged kernels
+    (B = Σ_r (1 + ℓ_r)). ``recalibration``: shifts the priced modes' confidences (:mod:`hf_dspark.recalibration`)."""
     if layout not in VERIFY_LAYOUTS:
         raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {layout!r}")
     if mode == "fixed" or confidences is None or confidences.shape[1] == 0:
         return list(caps)
-    planner = column_plan(mode, layout, caps, sps, threshold)
+    planner = column_plan(mode, layout, caps, sps, threshold, recalibration)
     if planner is not None:
         for k in range(confidences.shape[1]):
             if not planner.admit(confidences[:, k]):
                 break
         return planner.lengths
+    if recalibration is not None:
+        confidences = recalibration.apply(confidences)
     allowed = torch.arange(confidences.shape[1], device=confidences.device)[None] < torch.tensor(caps)[:, None]
     conf = torch.where(allowed, confidences, 0).cpu()
     old = history[-2] if mode == "async" and len(history) >= 2 and history[-2].shape == conf.shape else None
@@ -441,13 +453,15 @@ def choose_lengths(mode, confidences, caps, history, sps, threshold, layout: str
     return plan_verify_lengths(conf, sps) if old is None else fill_top_k(conf, plan_capacity(old, sps))
 
 
-def column_plan(mode: str, layout: str, caps: list[int], sps, threshold: float) -> ColumnPlan | None:
+def column_plan(
+    mode: str, layout: str, caps: list[int], sps, threshold: float, recalibration=None
+) -> ColumnPlan | None:
     """A :class:`ColumnPlan` for the modes whose plan closes at the first column no row verifies, so drafting can
     stop there: ``threshold``, and ``scheduled`` on the padded layout (or one row, where a column is a token).
     None for the others: ``fixed``, packed multi-row Algorithm 1 (a later column's token could sort before an
-    earlier row's) and ``async`` (it sizes from full past blocks)."""
+    earlier row's) and ``async`` (it sizes from full past blocks). ``recalibration`` applies to ``scheduled``."""
     if mode == "threshold":
         return ColumnPlan(caps, threshold=threshold)
     if mode == "scheduled" and (layout == "padded" or len(caps) == 1):
-        return ColumnPlan(caps, sps=sps)
+        return ColumnPlan(caps, sps=sps, recalibration=recalibration)
     return None

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-TRITON_INTERPRET=1 .venv/bin/python -m pytest -q "$@"
+TRITON_INTERPRET=1 .venv/bin/python -m pytest -q --durations=25 "$@"
 if [ "$#" -eq 0 ]; then
   # transformers 5.17 wants huggingface_hub < 2; both go into their own folder, first on the path for this run only
   OLDEST=.venv/transformers-5.17

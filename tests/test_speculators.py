@@ -61,6 +61,7 @@ def test_exported_draft_decodes_identically_after_loading_back(tmp_path, head):
     draft.config.sts_temperatures = [1.0, 1.5, 2.0, 2.5]
     draft.config.verify_mode = "scheduled"
     draft.config.lookup_max_ngram, draft.config.lookup_max_tokens, draft.config.lookup_adaptive = 3, 6, True
+    draft.config.confidence_recalibration = False  # not the default: the export must carry it
     export_speculators(draft, tmp_path / "spec", verifier="org/target")
     raw = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert (
@@ -71,6 +72,7 @@ def test_exported_draft_decodes_identically_after_loading_back(tmp_path, head):
     back = DSparkDraftModel.from_pretrained(tmp_path / "spec")
     assert back.config.sts_temperatures == [1.0, 1.5, 2.0, 2.5] and back.config.verify_mode == "scheduled"
     assert (back.config.lookup_max_ngram, back.config.lookup_max_tokens, back.config.lookup_adaptive) == (3, 6, True)
+    assert back.config.confidence_recalibration is False
     assert torch.equal(back.draft_vocab, draft.draft_vocab) and back.dtype == torch.float64
     draft.config.verify_mode = back.config.verify_mode = "fixed"  # a plan that needs no timing: runs comparable
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])

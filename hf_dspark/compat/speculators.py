@@ -205,6 +205,7 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
     extras = {"sts_temperatures": c.sts_temperatures, "verify_mode": c.verify_mode,
               "lookup_max_ngram": c.lookup_max_ngram, "lookup_min_ngram": c.lookup_min_ngram,
               "lookup_max_tokens": c.lookup_max_tokens, "lookup_adaptive": c.lookup_adaptive,
+              "confidence_recalibration": c.confidence_recalibration,
               "target_num_layers": c.target_num_layers}  # fmt: skip
     (folder / EXTRAS).write_text(json.dumps(extras, indent=2) + "\n")
     return folder
