@@ -73,7 +73,7 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
         seen["proposal"] = real_draft(draft, context, histories, *args, **kwargs)
         return seen["proposal"]
 
-    def choose_lengths(mode, confidences, caps, history, sps, threshold, layout="padded"):
+    def choose_lengths(mode, confidences, caps, history, sps, threshold, layout="padded", recalibration=None):
         lengths = []
         for r, cap in enumerate(caps):
             row = seen["rows"][r]  # rows leave the batch when they finish: map back to the batch index
