@@ -178,6 +178,7 @@ def test_adaptive_lookups_grow_while_accepted_in_full_and_stay_exact(mode):
 def test_adaptive_lookup_width_rule():
     """The width rule on its own: a short continuation accepted whole earns twice its length but never less than
     γ, a long one at most ``lookup_max_tokens``, and one cut short goes back to γ (``None``)."""
+    from hf_dspark.drafting import Proposal
     from hf_dspark.generation import DecodeSettings, RoundPlan, Schedule
 
     draft = DSparkDraftModel.from_target(tiny_target(), block_size=4, head_rank=8)
@@ -188,7 +189,8 @@ def test_adaptive_lookup_width_rule():
     def verified(found: int, accepted: int) -> int | None:
         kept = torch.zeros(1, 13, dtype=torch.bool)
         kept[0, : accepted + 1] = True  # the anchor and the accepted slots
-        schedule.observe(RoundPlan([0], {0: torch.arange(found)}, None), kept)
+        looked_up = Proposal(torch.zeros(1, 0, dtype=torch.long), None, torch.zeros(1, 0))  # no block was drafted
+        schedule.observe(RoundPlan([0], {0: torch.arange(found)}, None), kept, looked_up, [found])
         return schedule.lookup_width
 
     assert gamma > 2
