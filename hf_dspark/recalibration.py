@@ -53,6 +53,7 @@ class AcceptanceRecalibration:
         self.passed = [0.0] * positions  # ... and accepted position k
         self.predicted = [0.0] * positions  # ... the head's c_k summed over them
         self.shifts = [0.0] * positions  # δ_k, refreshed by observe
+        self._shift_tensor = torch.zeros(positions, dtype=torch.float64)  # the same, built once per observe
 
     def observe(self, confidences: list[float], accepted: int) -> None:
         """One verified drafted entry: the head's confidences c_1..c_ℓ of the ℓ tokens it verified, n accepted."""
@@ -79,11 +80,12 @@ class AcceptanceRecalibration:
             head = predicted / reached
             expected = _sigmoid(_logit(head) + previous)  # the prior: the head, shifted as position k-1 was
             self.shifts[k] = previous = _logit((passed + self.prior * expected) / (reached + self.prior)) - _logit(head)
+        self._shift_tensor = torch.tensor(self.shifts, dtype=torch.float64)
 
     def apply(self, confidences: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Shifted confidences: [R, G] (positions start+1..start+G) or [R] (position start+1), same shape, float64."""
         c = confidences.double()
-        shifts = torch.tensor(self.shifts, dtype=torch.float64, device=c.device)
+        shifts = self._shift_tensor.to(c.device)  # applied per drafted slot: no list -> tensor on the hot path
         shifts = shifts[start : start + c.shape[-1]] if c.dim() == 2 else shifts[start]
         shifted = torch.sigmoid(torch.logit(c.clamp(EPS, 1 - EPS)) + shifts)
         return torch.where(shifts == 0, c, shifted)  # an unshifted position keeps the head's value exactly
