@@ -158,7 +158,7 @@ class SPSProfile:
             table[B] = running
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes measuring at once: own temp files
             tmp.write_text(json.dumps({"ident": ident, "probe": probe, "table": table}))
             tmp.replace(path)
         return cls.from_table(table)
