@@ -6,9 +6,10 @@
 
 The shipped draft decodes each prompt greedily (float32, 128 new tokens) once per variant of the scheduler:
 ``off`` (the paper's: the head's STS-calibrated confidences alone), ``on`` (``hf_dspark.recalibration`` with its
-defaults), ``on:prior=P,decay=D,explore=N`` (other settings; ``explore``: how many of a call's first drafted rounds
-verify their whole block, ``generation.EXPLORE_ROUNDS``). ``--lookup N``: lookup drafting over n-grams of N..2 tokens as
-shipped (0: the draft alone). Every variant's output must equal the first's (greedy float32 is exact).
+defaults), ``on:prior=P,decay=D`` (other settings; ``explore=N``, a call's first N drafted rounds verifying their
+whole block, was measured at commit 5e6d716 and removed: results/recalibration/README.md). ``--lookup N``:
+lookup drafting over n-grams of N..2 tokens as shipped (0: the draft alone). Every variant's output must equal
+the first's (greedy float32 is exact).
 
 Wall-clock differences between scheduler variants are a few percent, inside this 2-core machine's run-to-run
 noise, so each call is *priced* instead: the verify profile and draft-block cost are measured once, at the start
@@ -23,8 +24,8 @@ Prompts: the recipe's held-out training prompts, ``--per-source`` of each source
 eval sets: settings are chosen here); ``--eval-sets`` runs the first ``--limit`` of shipped eval sets instead, to
 confirm (``main-command``: the three prompts ``python -m hf_dspark`` decodes). ``--prices FILE``: price with an
 earlier result's profile and draft cost instead of measuring them (the profile measured on a 2-core VM varies:
-SPS(2) / SPS(1) came out 0.69 in one measurement and 0.53 in another, and at 0.53 the scheduler without
-exploration never drafts here). Prints a table and writes ``<out>/recalibration_<prompts>_lookup<N>.json``.
+SPS(2) / SPS(1) came out 0.69 in one measurement and 0.53 in another, and at 0.53 the scheduler never drafts
+here). Prints a table and writes ``<out>/recalibration_<prompts>_lookup<N>.json``.
 """
 
 from __future__ import annotations
@@ -48,23 +49,21 @@ from hf_dspark.__main__ import SAMPLE_PROMPTS  # noqa: E402
 from hf_dspark.costs import measured_draft_seconds, round_prices  # noqa: E402
 from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
 from hf_dspark.evaluation.evaluate import load_prompts  # noqa: E402
-from hf_dspark.generation import EXPLORE_ROUNDS  # noqa: E402
 from hf_dspark.recalibration import AcceptanceRecalibration  # noqa: E402
 from hf_dspark.scheduler import SPSProfile  # noqa: E402
 
 
 def parse_variant(spec: str) -> tuple[bool, dict]:
-    """``off`` / ``on`` / ``on:prior=4,decay=0.8,explore=1`` -> (recalibrate, settings): AcceptanceRecalibration
-    keywords, and ``explore``, the exploring rounds of a call (``generation.EXPLORE_ROUNDS``)."""
+    """``off`` / ``on`` / ``on:prior=4,decay=0.8`` -> (recalibrate, AcceptanceRecalibration keywords)."""
     name, _, rest = spec.partition(":")
     if name not in ("on", "off") or (name == "off" and rest):
-        raise SystemExit(f"a variant is 'off', 'on' or 'on:prior=P,decay=D,explore=N', got {spec!r}")
+        raise SystemExit(f"a variant is 'off', 'on' or 'on:prior=P,decay=D', got {spec!r}")
     kwargs = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in ("prior", "decay", "explore"):
+        if key not in ("prior", "decay"):
             raise SystemExit(f"unknown recalibration setting {key!r} in {spec!r}")
-        kwargs[key] = int(value) if key == "explore" else float(value)
+        kwargs[key] = float(value)
     return name == "on", kwargs
 
 
@@ -77,9 +76,7 @@ def priced_call(target, draft, ids, recalibrate: bool, kwargs: dict, sps: SPSPro
         ran_draft.append(max_tokens > 0)
         return original(draft_, context, histories, anchors, max_tokens, *args, **kw)
 
-    kwargs = dict(kwargs)
-    explore = kwargs.pop("explore", EXPLORE_ROUNDS)
-    generation.draft_block, generation.EXPLORE_ROUNDS = counting, explore
+    generation.draft_block = counting
     generation.AcceptanceRecalibration = functools.partial(AcceptanceRecalibration, **kwargs)
     try:
         out = target.generate(
@@ -88,7 +85,6 @@ def priced_call(target, draft, ids, recalibrate: bool, kwargs: dict, sps: SPSPro
         )  # fmt: skip
     finally:
         generation.draft_block, generation.AcceptanceRecalibration = original, AcceptanceRecalibration
-        generation.EXPLORE_ROUNDS = EXPLORE_ROUNDS
     stats = draft.stats
     widths = [1 + lengths[0] for lengths in stats.verify_rounds]
     seconds = sum(1 / sps(w) for w in widths) + draft_s * sum(ran_draft)
@@ -159,7 +155,7 @@ def main() -> None:
         "verify steps/s by width:", {b: round(sps(b), 2) for b in range(1, 10)}, f"draft block {draft_s * 1e3:.1f} ms"
     )
     if args.eval_sets:
-        # "main-command": the prompts `python -m hf_dspark` decodes, where the cold start was found
+        # "main-command": the prompts `python -m hf_dspark` decodes
         sets = {name: SAMPLE_PROMPTS if name == "main-command" else load_prompts(name, args.limit)
                 for name in args.eval_sets}  # fmt: skip
     else:

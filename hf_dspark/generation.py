@@ -41,12 +41,6 @@ from .verify import probs, process, verify_row
 from .versions import CACHE_FIELD, cache_argument, cache_from
 
 MAX_BACKOFF = 16  # most plain rounds in a row before the draft is asked again (scheduled/async modes)
-# A lone row's first drafted rounds of a call verify their whole block (with recalibration on): a head whose
-# confidences price every block below a plain step would otherwise never verify a draft token, and the
-# recalibration, which learns only from verified blocks, would never find out that the prompt is easy. Three: on a
-# float32 CPU profile (SPS(2) ≈ ½ SPS(1)) ½-confidences need three blocks accepted in full, against a prior worth
-# two, before a plan verifies anything (0: never explore).
-EXPLORE_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -317,7 +311,6 @@ class RoundPlan:
     caps: list[int]
     looked_up: dict[int, torch.Tensor]
     planner: ColumnPlan | None
-    explore: bool = False  # verify the whole drafted block, whatever it is priced at (see ``EXPLORE_ROUNDS``)
 
     @property
     def max_tokens(self) -> int:
@@ -344,7 +337,6 @@ class Schedule:
     skip: int = 0  # rounds left that do not draft
     lookup_width: int | None = None  # ``lookup_adaptive``: the most tokens the next lookup verifies (None: γ)
     recalibration: AcceptanceRecalibration | None = None  # priced modes: the head's confidences, shifted per call
-    explored: int = 0  # rounds of this call that verified their whole block to feed the recalibration
 
     def __post_init__(self):
         if self.priced and self.settings.confidence_recalibration:
@@ -369,20 +361,10 @@ class Schedule:
         looked_up = lookups(s, state.histories(), self.lookup_room(state, max_length)) if alone else {}
         caps = [0 if self.skip or r in looked_up else room[r] for r in range(state.size)]
         self.skip = max(self.skip - 1, 0)
-        if self.exploring(state, caps):
-            self.explored += 1
-            return RoundPlan(caps, looked_up, None, explore=True)
         planner = column_plan(
             s.verify_mode, s.verify_layout, caps, self.planning, s.confidence_threshold, self.recalibration
         )
         return RoundPlan(caps, looked_up, planner)
-
-    def exploring(self, state: DecodeState, caps: list[int]) -> bool:
-        """Whether this round verifies its whole drafted block to give the recalibration data: one of a lone row's
-        first ``EXPLORE_ROUNDS`` drafted rounds, in a priced mode with recalibration on. Only a lone row: in a
-        batch every row's whole block would widen the shared verify. Lossless like any verify length."""
-        alone = len(state.active) == 1 and caps[state.active[0]] > 0
-        return self.recalibration is not None and alone and self.explored < EXPLORE_ROUNDS
 
     def lookup_room(self, state: DecodeState, max_length: int) -> list[int]:
         """The most tokens each row's lookup continuation may verify this round: ``lookup_max_tokens`` (γ when
@@ -417,9 +399,7 @@ class Schedule:
         """Tokens each row verifies: the plan's (closed while drafting, or chosen now from the whole block), a
         looked-up row's whole continuation. Sets the back-off from what the drafted rows' plan expected."""
         s, conf = self.settings, proposal.confidences
-        if plan.explore:
-            lengths = [min(cap, proposal.tokens.shape[1]) for cap in plan.caps]
-        elif plan.planner is not None:
+        if plan.planner is not None:
             lengths = plan.planner.lengths
         else:
             lengths = choose_lengths(
@@ -429,7 +409,7 @@ class Schedule:
         if conf is not None and conf.shape[1]:
             priced = conf if self.recalibration is None else self.recalibration.apply(conf)
             self.confidences = [*self.confidences[-1:], priced.cpu()]
-            if self.priced and not plan.explore:  # an exploring round is no evidence for or against drafting
+            if self.priced:
                 drafted = [r for r in state.active if r not in plan.looked_up]
                 expected = [lengths[r] for r in drafted]
                 pays = drafting_pays(self.confidences[-1][drafted], expected, state.size, self.sps, self.drafting)

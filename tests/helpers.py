@@ -103,33 +103,3 @@ def left_pad(prompts):
 
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 8], [12, 3], [70, 71, 72, 73, 74], [90, 15, 15, 60]]
-
-
-# --- drafts whose proposals a test controls ---------------------------------------------------------------------
-
-
-class Oracle:
-    """Makes a draft propose the reference continuation, corrupted at chosen block slots.
-
-    Patches the draft's backbone so its base logits put all mass on ``reference[position + 1]`` (or on a wrong
-    token at the corrupted slots); with head "none" these are exactly the proposals. ``mode``: the verify mode.
-    """
-
-    def __init__(self, draft, reference, wrong_slots=(), mode="fixed"):
-        self.reference, self.wrong_slots, self.vocab = reference[0], set(wrong_slots), draft.config.target_vocab_size
-        draft.config.verify_mode = mode  # fixed: verify every proposal, so acceptance counts are the oracle's
-        original = draft.forward
-
-        def forward(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
-            out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
-            logits = torch.full_like(out.logits, -1e4)
-            for k, pos in enumerate(block_positions[0].tolist()):
-                nxt = pos + 1
-                token = int(self.reference[nxt]) if nxt < len(self.reference) else 3
-                if k in self.wrong_slots:
-                    token = (token + 1) % self.vocab
-                logits[0, k, token] = 1e4
-            out.logits = logits
-            return out
-
-        draft.forward = forward

@@ -5,7 +5,6 @@ import itertools
 
 import pytest
 import torch
-from helpers import Oracle
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
@@ -31,6 +30,33 @@ def test_greedy_matches_plain_generate(arch, dtype, head):
         out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft)
         assert out.tolist() == ref.tolist()
         assert sum(draft.stats.committed) == 23  # the first token comes from the prefill
+
+
+class Oracle:
+    """Makes a draft propose the reference continuation, corrupted at chosen block slots.
+
+    Patches the draft's backbone so its base logits put all mass on ``reference[position + 1]`` (or on a wrong
+    token at the corrupted slots); with head "none" these are exactly the proposals.
+    """
+
+    def __init__(self, draft, reference, wrong_slots=()):
+        self.reference, self.wrong_slots, self.vocab = reference[0], set(wrong_slots), draft.config.target_vocab_size
+        draft.config.verify_mode = "fixed"  # verify every proposal, so acceptance counts are the oracle's
+        original = draft.forward
+
+        def forward(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
+            out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
+            logits = torch.full_like(out.logits, -1e4)
+            for k, pos in enumerate(block_positions[0].tolist()):
+                nxt = pos + 1
+                token = int(self.reference[nxt]) if nxt < len(self.reference) else 3
+                if k in self.wrong_slots:
+                    token = (token + 1) % self.vocab
+                logits[0, k, token] = 1e4
+            out.logits = logits
+            return out
+
+        draft.forward = forward
 
 
 @pytest.mark.parametrize(
@@ -262,7 +288,6 @@ def test_rounds_that_do_not_draft_queue_their_context_for_the_next_drafted_block
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0)  # verifying is free: every drafted round verifies all
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
     monkeypatch.setattr(generation, "drafting_pays", lambda *args: False)  # back off after every drafted round
-    monkeypatch.setattr(generation, "EXPLORE_ROUNDS", 0)  # (exploring rounds do not back off)
     projected = []
     original = draft.fused_key_values
     monkeypatch.setattr(draft, "fused_key_values", lambda f, p: projected.append(f.shape[1]) or original(f, p))
@@ -325,7 +350,6 @@ def test_scheduler_backs_off_drafting_when_it_does_not_pay(case, monkeypatch):
 
     steep, cost = {"free": (False, 0.0), "steep": (True, 0.0), "costly-draft": (False, 10.0)}[case]
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: cost)
-    monkeypatch.setattr(generation, "EXPLORE_ROUNDS", 0)  # its first rounds verify in full, whatever the price
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.config.verify_mode = "scheduled"
@@ -408,7 +432,6 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
     draft.config.verify_mode, draft.config.confidence_threshold = mode, 0.5
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.05 * B))
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
-    monkeypatch.setattr(generation, "EXPLORE_ROUNDS", 0)  # exploring rounds verify in full, without a planner
     with torch.no_grad():  # confidences spread over (0, 1), so plans end at different slots
         draft.confidence.confidence_head.weight.normal_(0, 0.3)
     blocks = []
