@@ -303,8 +303,9 @@ class ColumnPlan:
         if not all(0.0 <= c <= 1.0 for c in values):  # also rejects NaN
             raise ValueError("confidences must be probabilities in [0, 1]")
         k, R = self.width + 1, len(self.caps)
-        if self.recalibration is not None:
-            values = self.recalibration.apply(torch.tensor(values, dtype=torch.float64), start=k - 1).tolist()
+        if self.recalibration is not None:  # shift the column as given (a tensor from the draft), not a list copy
+            raw = column if isinstance(column, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
+            values = self.recalibration.apply(raw, start=k - 1).tolist()
         for r, c in enumerate(values):
             if k > self.caps[r]:
                 c = 0.0
