@@ -73,6 +73,9 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
         head=c.head_type,
         rank=c.head_rank,
         confidence="a confidence head" if c.confidence_head else "no confidence head",
+        confidence_row="c_k = σ(wᵀ[h_k; W1[x_{k-1}]]); the prefix scheduler picks verify lengths from it"
+        if c.confidence_head
+        else "none (every block is verified at a fixed length)",
         calibration="per-position temperatures " + str([round(t, 3) for t in c.sts_temperatures]) + fitted_on
         if c.sts_temperatures
         else "not calibrated",

@@ -110,3 +110,13 @@ def test_card_renders_config_and_results(tmp_path):
     assert "- Trained and measured against these weights of the target: the Q4_1 GGUF of org/target. Its" in card
     assert "(e.g. the original checkpoint the snippet above loads) is not measured" in card
     assert 'DSparkDraftModel.from_pretrained("org/draft")' in card
+
+
+def test_shipped_card_is_what_the_template_renders():
+    # the ship step writes the card once; a later template change must be re-rendered into the shipped folder
+    folder = Path(__file__).resolve().parents[1] / "hf_dspark" / "checkpoints" / "smollm2-135m-instruct-dspark"
+    rendered = render_card(
+        folder, name="hf-dspark/smollm2-135m-instruct-dspark", target="HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    assert (folder / "README.md").read_text() == rendered
+    assert "| confidence head | c_k = σ(wᵀ[h_k; W1[x_{k-1}]]); the prefix scheduler picks" in rendered
