@@ -83,7 +83,7 @@ def cmd_train(args) -> None:
         seed=args.seed,
         save_every=args.save_every,
         mixed_precision=args.mixed_precision,
-        loss_weights=LossWeights(*args.loss_weights, kd=args.kd_weight),
+        loss_weights=LossWeights(*args.loss_weights, kd=args.kd_weight, argmax=args.argmax_weight),
     )
     train(target, draft, rows, args.out, cfg, stop_at=args.stop_at, vocab=vocab, feature_cache=args.feature_cache)
 
@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-weights", type=float, nargs=3, default=[0.1, 0.9, 1.0], metavar=("CE", "TV", "CONF"))
     p.add_argument("--kd-weight", type=float, default=0.0,
                    help="weight of distillation on the target's next-token distribution (-Σ p_t log p_d)")  # fmt: skip
+    p.add_argument("--argmax-weight", type=float, default=0.0,
+                   help="weight of CE on the target's argmax token (the label greedy verification checks)")  # fmt: skip
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="train over the N most frequent answer tokens + special tokens and ship with them as the "
                    "draft vocabulary (0: the whole vocabulary; a resumed run keeps its own)")  # fmt: skip

@@ -107,13 +107,15 @@ def unfinished_run(run: Path, step: int) -> dict:
         "run": run.name,
         "steps": step,
         **{k: recipe.get(k, default) for k, default in (("lr", 3e-3), ("seed", 0), ("anchors", 48))},
-        "loss_weights": asdict(recipe_loss(recipe.get("ce", 1.0), recipe.get("kd", 0.0))),
+        "loss_weights": asdict(
+            recipe_loss(*(recipe.get(k, d) for k, d in (("ce", 1.0), ("kd", 0.0), ("argmax", 0.0))))
+        ),
         "rows": recipe.get("rows"),
         "layers": recipe.get("layers", 2),
     }
 
 
-LOSS_NAMES = {"ce": "CE", "tv": "TV", "conf": "confidence BCE", "kd": "KD"}
+LOSS_NAMES = {"ce": "CE", "tv": "TV", "conf": "confidence BCE", "kd": "KD", "argmax": "CE on the target's argmax"}
 
 
 def loss_terms(run: dict) -> str:
@@ -137,11 +139,12 @@ def train_command(head: str, chain: list[dict]) -> str:
             cmd += f" --seed {r['seed']}"
         if r.get("rows"):
             cmd += f" --rows {r['rows']}"
-        ce, kd = r["loss_weights"]["ce"], r["loss_weights"].get("kd", 0.0)
-        if ce != 1.0:
-            cmd += f" --ce {ce:g}"
-        if kd:
-            cmd += f" --kd {kd:g}"
+        weights = r["loss_weights"]
+        if weights["ce"] != 1.0:
+            cmd += f" --ce {weights['ce']:g}"
+        for term in ("kd", "argmax"):
+            if weights.get(term):
+                cmd += f" --{term} {weights[term]:g}"
         if i:
             before = chain[i - 1]
             cmd += f" --init-from <draft shipped from {before['run']}>" if before.get("shipped") else (

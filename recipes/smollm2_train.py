@@ -94,9 +94,10 @@ def start_from(draft: DSparkDraftModel, finished: Path) -> torch.Tensor | None:
     return vocab
 
 
-def recipe_loss(ce: float = 1.0, kd: float = 0.0) -> LossWeights:
-    """The recipe's loss: ``ce`` CE + ``kd`` KD (``--ce``/``--kd``) + 0.1 TV + 1.0 confidence BCE."""
-    return LossWeights(ce=ce, tv=0.1, conf=1.0, kd=kd)
+def recipe_loss(ce: float = 1.0, kd: float = 0.0, argmax: float = 0.0) -> LossWeights:
+    """The recipe's loss: ``ce`` CE + ``kd`` KD + ``argmax`` CE on the target's argmax (``--ce``/``--kd``/``--argmax``)
+    + 0.1 TV + 1.0 confidence BCE."""
+    return LossWeights(ce=ce, tv=0.1, conf=1.0, kd=kd, argmax=argmax)
 
 
 def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
@@ -105,7 +106,7 @@ def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
     continued run's history (a shipped draft's history is copied in as ``continues``)."""
     path = out / "recipe.json"
     if not path.exists():
-        keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd", "layers")
+        keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd", "argmax", "layers")
         recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}
         init = getattr(args, "init_from", None)
         if init is not None and is_shipped(init):
@@ -178,6 +179,8 @@ def main() -> None:
     )
     ap.add_argument("--ce", type=float, default=1.0, help="weight of CE on the answer's next token")
     ap.add_argument("--kd", type=float, default=0.0, help="weight of distillation on the target's distribution")
+    ap.add_argument("--argmax", type=float, default=0.0,
+                    help="weight of CE on the target's argmax (the label greedy verification checks)")  # fmt: skip
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
                     help="bf16 autocast (master weights stay float32)")  # fmt: skip
     ap.add_argument("--draft-vocab", type=int, default=8192,
@@ -202,7 +205,7 @@ def main() -> None:
         save_every=100,
         milestone_every=args.milestone_every,
         log_every=20,
-        loss_weights=recipe_loss(args.ce, args.kd),
+        loss_weights=recipe_loss(args.ce, args.kd, args.argmax),
         mixed_precision=args.mixed_precision,
     )
     log = out / "log.jsonl"

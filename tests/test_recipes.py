@@ -125,15 +125,17 @@ def test_the_ship_step_follows_warm_restarts_back_to_the_first_run(tmp_path):
 
 def test_an_unfinished_run_is_described_by_its_recipe(tmp_path):
     run = tmp_path / "stopped"
-    args = argparse.Namespace(head="markov", steps=3000, anchors=64, lr=2e-3, seed=5, ce=0.0, kd=1.0, init_from=None)
+    args = argparse.Namespace(
+        head="markov", steps=3000, anchors=64, lr=2e-3, seed=5, ce=0.0, kd=1.0, argmax=0.5, init_from=None
+    )
     run.mkdir()
     record_recipe(run, args, 4200)
     entry = unfinished_run(run, 1200)
     assert train_command("markov", [entry]) == (
         "python recipes/smollm2_train.py --head markov --run stopped --steps 1200 --anchors 64 --lr 0.002 --seed 5"
-        " --rows 4200 --ce 0 --kd 1"
+        " --rows 4200 --ce 0 --kd 1 --argmax 0.5"
     )
-    assert loss_terms(entry) == "0.1 TV + 1.0 confidence BCE + 1.0 KD"
+    assert loss_terms(entry) == "0.1 TV + 1.0 confidence BCE + 1.0 KD + 0.5 CE on the target's argmax"
 
 
 def test_a_run_reads_the_answer_rows_its_first_start_read(tmp_path):

@@ -575,3 +575,28 @@ def test_distillation_term_pulls_the_draft_to_the_targets_distribution(setup):
     pred.logits.requires_grad_(True)
     block_losses(pred, LossWeights(ce=0.0, tv=0.0, conf=0.0, kd=1.0), 4.0)["loss"].backward()
     assert pred.logits.grad.abs().max() < 1e-6
+
+
+def test_argmax_term_is_ce_on_the_targets_most_likely_token(setup):
+    """argmax = mean over labelled slots (position-weighted) of -log p_d(argmax p_t): its gradient w.r.t. a slot's
+    draft logits is (p_d - onehot(argmax p_t))·w/Σw; off by default."""
+    from hf_dspark.training.losses import LossWeights, block_losses
+
+    target, rows = setup
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    pred = block_predictions(draft, *_batch(target, draft, rows))
+    assert "argmax" not in block_losses(pred, LossWeights(), 4.0)
+    torch.testing.assert_close(pred.target_top, pred.target_logprobs.argmax(-1))  # the whole vocabulary here
+
+    pred.confidence_logits = pred.confidence_logits.detach()
+    logits = pred.logits.detach().clone().requires_grad_(True)
+    pred.logits = logits
+    out = block_losses(pred, LossWeights(ce=0.0, tv=0.0, conf=0.0, argmax=1.0), 4.0)
+    out["loss"].backward()
+    k = torch.arange(logits.shape[2]).float()
+    w = torch.exp(-k / 4.0) * pred.has_label
+    onehot = torch.nn.functional.one_hot(pred.target_top, logits.shape[-1]).float()
+    expected = (logits.detach().softmax(-1) - onehot) * (w / w.sum())[..., None]
+    torch.testing.assert_close(logits.grad, expected, atol=1e-7, rtol=1e-4)
+    nll = -logits.detach().log_softmax(-1).gather(-1, pred.target_top[..., None]).squeeze(-1)
+    torch.testing.assert_close(out["argmax"], (nll * w).sum() / w.sum())

@@ -4,11 +4,13 @@ For each anchor a, the block [x_a, mask, …] predicts x_{a+1..a+γ}; it sees th
 (block-sparse mask) and its own γ slots bidirectionally. The sequential head is teacher-forced with the true
 previous tokens. Position weights w_k = exp(-(k-1)/decay), zero past the end of the sequence.
 
-    L = w_ce·CE + w_tv·‖p_d - p_t‖₁ + w_conf·BCE(c, 1 - ½‖p_d - p_t‖₁) + w_kd·KD,   KD = -Σ_v p_t(v) log p_d(v)
+    L = w_ce·CE + w_tv·‖p_d - p_t‖₁ + w_conf·BCE(c, 1 - ½‖p_d - p_t‖₁) + w_kd·KD + w_argmax·CE(argmax p_t),
+    KD = -Σ_v p_t(v) log p_d(v)
 
 CE fits the answer's own next token (a sample of the target when answers are regenerated at a temperature); KD,
 off by default, fits the target's whole next-token distribution at the same slot (distillation: the same optimum,
-without the sampling noise of one drawn token).
+without the sampling noise of one drawn token). The argmax term, off by default, fits the target's most likely
+token at the slot: the label greedy verification checks, which a sampled answer's token often is not.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class LossWeights:
     tv: float = 0.9
     conf: float = 1.0
     kd: float = 0.0
+    argmax: float = 0.0
 
 
 def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.Tensor:
@@ -190,6 +193,11 @@ def block_losses(pred: BlockPredictions, weights: LossWeights, decay: float) -> 
         # the target's mass outside the columns has no draft column to go to: the term covers the columns only
         losses["kd"] = (-(p_t * logp_d).sum(-1) * w).sum() / norm
         loss = loss + weights.kd * losses["kd"]
+    if weights.argmax:
+        w_top = w * (pred.target_top >= 0)  # a target argmax outside the columns cannot be drafted
+        nll_top = -logp_d.gather(-1, pred.target_top.clamp_min(0)[..., None]).squeeze(-1)
+        losses["argmax"] = (nll_top * w_top).sum() / w_top.sum().clamp_min(1e-6)
+        loss = loss + weights.argmax * losses["argmax"]
     if pred.confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(pred.confidence_logits, soft, reduction="none")
         losses["conf"] = (bce * w).sum() / norm
