@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 from pathlib import Path
 
 import torch
@@ -77,7 +78,7 @@ class FeatureCache:
         feats, final = feats[0].to(self.dtype), final[0].to(self.dtype)
         head = self.target.get_output_embeddings()
         lse, top = target_statistics(head, final.to(head.weight.dtype))
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs sharing the cache may write the same row at once
         t = dict(zip(self.KEYS, (feats, final, lse, top), strict=True))
         save_file({k: v.cpu().contiguous() for k, v in t.items()}, str(tmp))
         tmp.replace(path)
