@@ -1,6 +1,6 @@
 """Why is the first drafted token accepted so rarely? A probe of the SmolLM2 draft's slots on held-out answers.
 
-    python benchmarks/slot_probe.py [--draft DIR] [--rows 40] [--out benchmarks/results/slot_probe.json]
+    python benchmarks/slot_probe.py [--draft DIR | --run NAME] [--rows 40] [--out benchmarks/results/slot_probe.json]
 
 Teacher-forced blocks anchored at every position of held-out answers (never trained on), float32: for each slot k,
 whether the draft's argmax equals the target's (greedy acceptance of slot k given a correct prefix), binned by the
@@ -27,13 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
 from smollm2_prepare import ANSWERS  # noqa: E402
-from smollm2_train import is_held_out  # noqa: E402
+from smollm2_ship import load_run  # noqa: E402
+from smollm2_train import STATE, is_held_out  # noqa: E402
 
 from hf_dspark import DSparkDraftModel  # noqa: E402
 from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
 from hf_dspark.training.data import load_dataset  # noqa: E402
 from hf_dspark.training.features import target_outputs  # noqa: E402
 from hf_dspark.training.losses import block_predictions  # noqa: E402
+from hf_dspark.training.trainer import saved_vocab  # noqa: E402
 
 BINS = [0.0, 0.3, 0.5, 0.7, 0.9, 1.01]
 
@@ -51,6 +53,8 @@ def bigram_table(rows: list[dict]) -> dict[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
+    ap.add_argument("--source", default=None, help="only answers of this source (e.g. sharegpt_prompts)")
+    ap.add_argument("--run", default=None, help="probe this training run's final draft (with its draft vocabulary)")
     ap.add_argument("--rows", type=int, default=40)
     ap.add_argument("--split", default="held-out", choices=["held-out", "train"],
                     help="held-out answers, or training ones (is a miss a failure to generalise?)")  # fmt: skip
@@ -60,9 +64,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = load_dataset(ANSWERS)
     bigram = bigram_table([r for r in rows if not is_held_out(r)])
-    probed = [r for r in rows if is_held_out(r) == (args.split == "held-out")][: args.rows]
-    target, _ = load_target()
-    draft = DSparkDraftModel.from_pretrained(args.draft).float().attach(target).eval()
+    probed = [r for r in rows if is_held_out(r) == (args.split == "held-out")]
+    if args.source is not None:
+        probed = [r for r in probed if r["id"].split(":")[0] == args.source]
+    probed = probed[: args.rows]
+    target, tokenizer = load_target()
+    if args.run is None:
+        draft = DSparkDraftModel.from_pretrained(args.draft).float().attach(target).eval()
+    else:
+        draft = load_run(target, tokenizer, STATE / args.run, "markov", None)[0].float().eval()
+        if saved_vocab(STATE / args.run) is not None:
+            draft.set_draft_vocab(saved_vocab(STATE / args.run))
     vocab = draft.draft_vocab
     gamma = draft.config.block_size
     match = [[] for _ in range(gamma)]  # per slot: (agrees, target top-1 probability)
@@ -107,7 +119,8 @@ def main() -> None:
                                                  "accept": sum(got) / len(got) if got else None}  # fmt: skip
         table.append(row)
     n = slot0["positions"]
-    result = {"draft": str(args.draft), "rows": len(probed), "split": args.split, "slots": table,
+    probed_draft = str(args.draft) if args.run is None else f"run {args.run}"
+    result = {"draft": probed_draft, "rows": len(probed), "split": args.split, "source": args.source, "slots": table,
               "slot1_references": {k: slot0[k] / n for k in ("draft", "bigram")}}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
