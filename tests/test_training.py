@@ -550,6 +550,20 @@ def test_cli_calibrate_from_prompt_files(setup, tmp_path):
         calibrate_draft(target, tmp_path / "draft", [{"id": "a"}, {"id": "b"}], source="decode")
 
 
+def _logit_gradient(pred, weights):
+    """Backpropagate ``block_losses(pred, weights)`` (decay 4) to fresh leaf draft logits: (those logits with their
+    gradient, the losses, the position weights w [R, A, γ])."""
+    from hf_dspark.training.losses import block_losses
+
+    pred.confidence_logits = pred.confidence_logits.detach()  # the draft's graph is not under test
+    logits = pred.logits.detach().clone().requires_grad_(True)
+    pred.logits = logits
+    out = block_losses(pred, weights, 4.0)
+    out["loss"].backward()
+    w = torch.exp(-torch.arange(logits.shape[2]).float() / 4.0) * pred.has_label
+    return logits, out, w
+
+
 def test_distillation_term_pulls_the_draft_to_the_targets_distribution(setup):
     """KD = -Σ p_t log p_d per slot, weighted like TV: its gradient w.r.t. a slot's draft logits is
     (p_d - p_t)·w/Σw, zero where the draft already equals the target; with kd = 0 the loss has no KD term."""
@@ -560,13 +574,7 @@ def test_distillation_term_pulls_the_draft_to_the_targets_distribution(setup):
     pred = block_predictions(draft, *_batch(target, draft, rows))
     assert "kd" not in block_losses(pred, LossWeights(), 4.0)
 
-    pred.confidence_logits = pred.confidence_logits.detach()  # the draft's graph is not under test
-    logits = pred.logits.detach().clone().requires_grad_(True)
-    pred.logits = logits
-    out = block_losses(pred, LossWeights(ce=0.0, tv=0.0, conf=0.0, kd=1.0), 4.0)
-    out["loss"].backward()
-    k = torch.arange(logits.shape[2]).float()
-    w = torch.exp(-k / 4.0) * pred.has_label
+    logits, _, w = _logit_gradient(pred, LossWeights(ce=0.0, tv=0.0, conf=0.0, kd=1.0))
     p_t = pred.target_logprobs.exp()
     expected = (logits.detach().softmax(-1) - p_t) * (w / w.sum())[..., None]
     torch.testing.assert_close(logits.grad, expected, atol=1e-7, rtol=1e-4)
@@ -588,13 +596,7 @@ def test_argmax_term_is_ce_on_the_targets_most_likely_token(setup):
     assert "argmax" not in block_losses(pred, LossWeights(), 4.0)
     torch.testing.assert_close(pred.target_top, pred.target_logprobs.argmax(-1))  # the whole vocabulary here
 
-    pred.confidence_logits = pred.confidence_logits.detach()
-    logits = pred.logits.detach().clone().requires_grad_(True)
-    pred.logits = logits
-    out = block_losses(pred, LossWeights(ce=0.0, tv=0.0, conf=0.0, argmax=1.0), 4.0)
-    out["loss"].backward()
-    k = torch.arange(logits.shape[2]).float()
-    w = torch.exp(-k / 4.0) * pred.has_label
+    logits, out, w = _logit_gradient(pred, LossWeights(ce=0.0, tv=0.0, conf=0.0, argmax=1.0))
     onehot = torch.nn.functional.one_hot(pred.target_top, logits.shape[-1]).float()
     expected = (logits.detach().softmax(-1) - onehot) * (w / w.sum())[..., None]
     torch.testing.assert_close(logits.grad, expected, atol=1e-7, rtol=1e-4)
