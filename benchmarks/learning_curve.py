@@ -30,7 +30,6 @@ from smollm2_train import STATE  # noqa: E402
 
 from hf_dspark import DSparkDraftModel  # noqa: E402
 from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
-from hf_dspark.training.trainer import saved_vocab  # noqa: E402
 
 
 def kept_steps(run: Path, every: int) -> list[int]:
@@ -125,9 +124,6 @@ def main() -> None:
                 continue
             checkpoint = step if (run / f"checkpoint-{step}").is_dir() else None  # else the final draft
             draft, got = load_run(target32, tokenizer, run, args.head, checkpoint)
-            vocab = saved_vocab(run)
-            if vocab is not None:
-                draft.set_draft_vocab(vocab)
             got += before
             point = {"step": got, "supervised_tokens": got * anchors * draft.config.block_size}
             point |= measure(target, draft.to(torch.bfloat16), prompts, args.max_new_tokens)

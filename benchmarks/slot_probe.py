@@ -35,7 +35,6 @@ from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
 from hf_dspark.training.data import load_dataset  # noqa: E402
 from hf_dspark.training.features import target_outputs  # noqa: E402
 from hf_dspark.training.losses import block_predictions  # noqa: E402
-from hf_dspark.training.trainer import saved_vocab  # noqa: E402
 
 BINS = [0.0, 0.3, 0.5, 0.7, 0.9, 1.01]
 
@@ -73,8 +72,6 @@ def main() -> None:
         draft = DSparkDraftModel.from_pretrained(args.draft).float().attach(target).eval()
     else:
         draft = load_run(target, tokenizer, STATE / args.run, "markov", None)[0].float().eval()
-        if saved_vocab(STATE / args.run) is not None:
-            draft.set_draft_vocab(saved_vocab(STATE / args.run))
     vocab = draft.draft_vocab
     gamma = draft.config.block_size
     match = [[] for _ in range(gamma)]  # per slot: (agrees, target top-1 probability)

@@ -26,7 +26,6 @@ from hf_dspark import DSparkDraftModel
 from hf_dspark.embedded import load_target
 from hf_dspark.stats import DSparkStats
 from hf_dspark.training.data import frequent_tokens, left_pad, load_dataset
-from hf_dspark.training.trainer import saved_vocab
 
 
 def heldout_stats(target, draft, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8) -> DSparkStats:
@@ -71,9 +70,6 @@ def main() -> None:
     for name in args.run:
         run = STATE / name
         draft, step = load_run(target32, tokenizer, run, args.head, args.checkpoint)
-        vocab = saved_vocab(run)
-        if vocab is not None:
-            draft.set_draft_vocab(vocab)
         drafts[f"{name}@{step}"] = draft
     answers = [r for r in load_dataset(ANSWERS) if not is_held_out(r)] if args.widen_vocab else []
     for name, draft in drafts.items():

@@ -52,8 +52,15 @@ TARGET_WEIGHTS = (
 
 
 def load_run(target, tokenizer, run: Path, head: str, checkpoint: int | None) -> tuple[DSparkDraftModel, int]:
-    """The run's draft (float32) and the step it was taken at; a checkpoint's layout (speculators-exportable or
-    ours) is read from its tensors."""
+    """The run's draft (float32) and the step it was taken at, restricted to the draft vocabulary the run trained
+    over (if it kept one), as it decodes; a checkpoint's layout (speculators-exportable or ours) is read from its
+    tensors."""
+    draft, step = _run_weights(target, tokenizer, run, head, checkpoint)
+    vocab = saved_vocab(run)
+    return (draft if vocab is None else draft.set_draft_vocab(vocab)), step
+
+
+def _run_weights(target, tokenizer, run: Path, head: str, checkpoint: int | None) -> tuple[DSparkDraftModel, int]:
     final = run / "final"
     if checkpoint is None and final.is_dir():
         steps = json.loads((final / "train_config.json").read_text())["steps"]
@@ -202,10 +209,8 @@ def main() -> None:
     train_rows = [r for r in rows if not is_held_out(r)]
 
     shipped = draft.to(torch.bfloat16)
-    trained_vocab = saved_vocab(run)  # a run trained over a draft vocabulary ships with exactly it
-    if trained_vocab is not None:
-        shipped.set_draft_vocab(trained_vocab)
-    elif args.draft_vocab:
+    trained_vocab = shipped.draft_vocab  # load_run applied the run's own: it ships with exactly the one it trained over
+    if trained_vocab is None and args.draft_vocab:
         shipped.set_draft_vocab(frequent_tokens(train_rows, args.draft_vocab, always=tokenizer.all_special_ids))
     shipped.config.lookup_max_ngram = args.lookup  # lookup drafting on by default (README: Lookup drafting)
     shipped.config.lookup_max_tokens = args.lookup_tokens

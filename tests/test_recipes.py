@@ -223,3 +223,17 @@ def test_a_run_continued_from_the_shipped_draft_carries_its_history_on(tmp_path)
         shipped_runs(shipped)
     with pytest.raises(ValueError, match=r"training\.json records no 'runs'"):
         record_recipe(tmp_path / "fourth", args, 4000)
+
+
+def test_a_runs_draft_loads_with_the_draft_vocabulary_it_trained_over(tmp_path):
+    from hf_dspark.training.trainer import VOCAB_FILE
+
+    target = tiny_target("llama", vocab_size=96)
+    run = tmp_path / "run"
+    build_draft(target, "markov", mask_token_id=7).save_pretrained(run / "final")
+    (run / "final" / "train_config.json").write_text(json.dumps({"steps": 300}))
+    draft, step = load_run(target, None, run, "markov", None)
+    assert step == 300 and draft.draft_vocab is None  # no vocabulary kept: the whole vocabulary
+    (run / VOCAB_FILE).write_text(json.dumps([40, 3, 95]))
+    draft, _ = load_run(target, None, run, "markov", None)
+    assert draft.draft_vocab.tolist() == [3, 40, 95]
