@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 HEAD_TYPES = ("none", "markov", "gated", "rnn")
+HEAD_VOCABS = ("full", "draft")
 VERIFY_MODES = ("auto", "fixed", "threshold", "scheduled", "async")
 VERIFY_LAYOUTS = ("padded", "packed")
 
@@ -32,6 +33,10 @@ class DSparkConfig(PretrainedConfig):
         draft_vocab_size: propose only from a fixed subset of this many target tokens (the ``draft_vocab``
             buffer, set with ``DSparkDraftModel.set_draft_vocab``), so the draft's LM head reads that many rows
             instead of the whole vocabulary; ``None``: the whole vocabulary. Decoding stays lossless either way.
+        head_vocab: the rows the sequential head's output matrix W2 stores: ``full`` (one per target token) or
+            ``draft`` (one per draft-vocabulary token, in ``draft_vocab`` order; set with
+            ``DSparkDraftModel.set_head_vocab``). Same proposals; ``draft`` drops (V - draft_vocab_size) × r
+            parameters that a draft vocabulary never reads (2.6M, 5.2 MB in bfloat16, on SmolLM2 at r = 64).
     Target identity (a draft refuses any other target):
         target_model_type, target_hidden_size, target_vocab_size, target_num_layers.
     Verification (may be changed on a loaded draft, e.g. ``draft.config.verify_mode = "fixed"``):
@@ -87,6 +92,7 @@ class DSparkConfig(PretrainedConfig):
         confidence_with_head: bool = True,
         sts_temperatures: list[float] | None = None,
         draft_vocab_size: int | None = None,
+        head_vocab: str = "full",
         target_model_type: str | None = None,
         target_hidden_size: int | None = None,
         target_vocab_size: int | None = None,
@@ -125,6 +131,7 @@ class DSparkConfig(PretrainedConfig):
         self.confidence_with_head = confidence_with_head
         self.sts_temperatures = list(sts_temperatures) if sts_temperatures is not None else None
         self.draft_vocab_size = draft_vocab_size
+        self.head_vocab = head_vocab
         self.target_model_type = target_model_type
         self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
         self.target_vocab_size = target_vocab_size
@@ -166,6 +173,10 @@ class DSparkConfig(PretrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.head_vocab not in HEAD_VOCABS:
+            raise ValueError(f"head_vocab must be one of {HEAD_VOCABS}, got {self.head_vocab!r}")
+        if self.head_vocab == "draft" and self.draft_vocab_size is None:
+            raise ValueError("head_vocab='draft' stores W2's rows for a draft vocabulary: set draft_vocab_size too")
         if self.head_type != "none" and self.head_rank < 1:
             raise ValueError(f"head_rank must be >= 1 for head_type={self.head_type!r}")
         if self.draft_offset not in (0, 1):

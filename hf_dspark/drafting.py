@@ -168,7 +168,8 @@ def _head_and_confidence(draft, logits, h_k, prev, state, conf_temperature, rows
 def _torch_slot(draft, logits, h_k, prev, state, histories, logits_processor, do_sample, conf_temperature):
     """One slot on the PyTorch path: head bias, confidence, the target's processors (per row, with that row's
     history), argmax or sample. -> (tokens [R], processed probs [R, V] or None, confidences [R] or None, state)."""
-    logits, conf, state = _head_and_confidence(draft, logits, h_k, prev, state, conf_temperature)
+    rows = draft.head_full_rows()  # None unless W2 stores draft-vocabulary rows only
+    logits, conf, state = _head_and_confidence(draft, logits, h_k, prev, state, conf_temperature, rows)
     logits = logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype)
     if logits_processor:
         logits = torch.cat([process(logits_processor, ids[None], logits[r : r + 1]) for r, ids in enumerate(histories)])

@@ -6,7 +6,9 @@ which:
 
     bias [R, V], feature [R, r], state = head.step(prev_tokens [R], h_k [R, d], state)
 
-(``rows=W2[subset]`` gives the bias over a vocabulary subset instead, [R, len(subset)].)
+(``rows=W2[subset]`` gives the bias over a vocabulary subset instead, [R, len(subset)]. A head built with
+``out_rows`` < V stores W2's rows for a draft vocabulary only (``DSparkConfig.head_vocab = "draft"``); its callers
+then pass ``rows=`` for the whole vocabulary, see ``DSparkDraftModel.head_full_rows``.)
 
 ``feature`` is W1[x_{k-1}], the input the confidence head reads beside h_k. ``teacher_forced`` runs all γ steps
 at once from known previous tokens (training, calibration), with the same ``rows=``.
@@ -24,10 +26,10 @@ from .configuration_dspark import DSparkConfig
 class MarkovHead(nn.Module):
     """B(x_{k-1}, ·) = W1[x_{k-1}] · W2, with W1 ∈ R^{V×r} and W2 ∈ R^{r×V} (stored as Linear r→V)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, out_rows: int | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, out_rows or vocab_size, bias=False)
 
     def _mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return e
@@ -48,8 +50,8 @@ class MarkovHead(nn.Module):
 class GatedMarkovHead(MarkovHead):
     """Markov head whose low-rank code is gated by the slot's hidden state: W1[x] ⊙ σ(W_g [h_k; W1[x]])."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
-        super().__init__(vocab_size, hidden_size, rank)
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, out_rows: int | None = None):
+        super().__init__(vocab_size, hidden_size, rank, out_rows)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def _mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -60,12 +62,12 @@ class RNNHead(nn.Module):
     """Gated recurrent head: z_k = [s_{k-1}; W1[x_{k-1}]; h_k], s_k = g ⊙ s_{k-1} + (1-g) ⊙ tanh(W_c z_k),
     B_k = W2ᵀ tanh(W_o z_k), with g = σ(W_g z_k) and W_g, W_c, W_o one joint linear (2r + d) -> 3r; s_0 = 0."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, out_rows: int | None = None):
         super().__init__()
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.rnn_cell = nn.Linear(2 * rank + hidden_size, 3 * rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, out_rows or vocab_size, bias=False)
 
     def code_step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None):
         """-> (code tanh(W_o z_k) [R, r], feature W1[x_{k-1}] [R, r], new state [R, r]); the bias is code · W2ᵀ."""
@@ -94,10 +96,12 @@ HEADS = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
 
 
 def build_sequential_head(config: DSparkConfig) -> nn.Module | None:
-    """The sequential head named by ``config.head_type`` (``None`` for the pure parallel drafter)."""
+    """The sequential head named by ``config.head_type`` (``None`` for the pure parallel drafter); W2 has one row
+    per draft-vocabulary token when ``config.head_vocab == "draft"``, else one per target token."""
     if config.head_type == "none":
         return None
-    return HEADS[config.head_type](config.target_vocab_size, config.hidden_size, config.head_rank)
+    out_rows = config.draft_vocab_size if config.head_vocab == "draft" else None
+    return HEADS[config.head_type](config.target_vocab_size, config.hidden_size, config.head_rank, out_rows)
 
 
 class ConfidenceHead(nn.Module):

@@ -56,6 +56,8 @@ def fused_head_step(draft, base_logits, hidden, prev, state, temperature, sample
     from dspark_heads import lowrank_step
 
     head, conf_head = draft.sequential_head, draft.confidence
+    full = draft.head_full_rows()  # set when W2 stores draft-vocabulary rows only
+    w2 = head.markov_w2.weight if full is None else full
     seed = int(torch.randint(2**31 - 1, (1,)).item()) if sample else 0
     if isinstance(head, RNNHead) or (conf_head is not None and conf_head.feature_size == 0):
         # the confidence is computed beside the kernel: it reads W1[x] (RNN) or h_k alone
@@ -64,7 +66,7 @@ def fused_head_step(draft, base_logits, hidden, prev, state, temperature, sample
         else:
             feature = code = head._mix(head.markov_w1(prev), hidden)
         scores, tokens, lse, _ = lowrank_step(
-            base_logits, head.markov_w2.weight, code=code, temperature=temperature, sample=sample, seed=seed
+            base_logits, w2, code=code, temperature=temperature, sample=sample, seed=seed
         )
         conf = None
         if conf_head is not None:
@@ -81,7 +83,7 @@ def fused_head_step(draft, base_logits, hidden, prev, state, temperature, sample
             )
         scores, tokens, lse, conf = lowrank_step(
             base_logits,
-            head.markov_w2.weight,
+            w2,
             prev=prev,
             w1=head.markov_w1.weight,
             temperature=temperature,

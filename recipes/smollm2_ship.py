@@ -5,7 +5,8 @@
 1. Load the run's final draft (or its checkpoint N, or the newest checkpoint when the run has not finished).
 2. Restrict its proposals to the tokens of the training answers (a draft vocabulary: the draft's LM head then
    reads ~8k rows instead of 49k; decoding stays lossless; a run trained over a draft vocabulary keeps its
-   <run>/draft_vocab.json), store it in bfloat16 (≤ 40 MB) with training.json
+   <run>/draft_vocab.json) and keep the Markov head's W2 rows for those tokens only, store it in bfloat16
+   (≤ 40 MB) with training.json
    (command, data size, steps).
 3. STS-calibrate it as deployed (``--calibration decode``, the default: greedy DSpark decoding of the held-out
    prompts, never trained on, with a bfloat16 target) or on teacher-forced held-out answers in float32
@@ -212,6 +213,8 @@ def main() -> None:
     trained_vocab = shipped.draft_vocab  # load_run applied the run's own: it ships with exactly the one it trained over
     if trained_vocab is None and args.draft_vocab:
         shipped.set_draft_vocab(frequent_tokens(train_rows, args.draft_vocab, always=tokenizer.all_special_ids))
+    if shipped.draft_vocab is not None:
+        shipped.set_head_vocab("draft")  # W2 keeps the rows of tokens it can propose: 2.6M parameters (5.2 MB) fewer
     shipped.config.lookup_max_ngram = args.lookup  # lookup drafting on by default (README: Lookup drafting)
     shipped.config.lookup_max_tokens = args.lookup_tokens
     tmp = args.out.with_name(args.out.name + ".tmp")
@@ -242,7 +245,12 @@ def main() -> None:
         "target weights": TARGET_WEIGHTS,
         **({"history": args.note} if args.note else {}),
         "runs": chain,  # structured, for a warm restart from this shipped draft (smollm2_train.py --init-from)
-        "stored as": "bfloat16 safetensors (attached to a float32 target it runs in float32)",
+        "stored as": "bfloat16 safetensors (attached to a float32 target it runs in float32)"
+        + (
+            ", the Markov head's W2 over the draft vocabulary's rows only"
+            if shipped.config.head_vocab == "draft"
+            else ""
+        ),
         "draft vocabulary": f"{shipped.config.draft_vocab_size} tokens (the most frequent training-answer tokens +"
         " special)" + (", trained over them" if trained_vocab is not None else "")
         if shipped.config.draft_vocab_size

@@ -140,8 +140,11 @@ def test_bad_input_raises_before_launch(edit, error, message):
         lowrank_step(**kw)
 
 
-@pytest.mark.parametrize(("head", "vocab"), [("markov", False), ("rnn", False), ("markov", True)])
-def test_greedy_generation_through_kernels_equals_torch_path(head, vocab, monkeypatch):
+@pytest.mark.parametrize(
+    ("head", "vocab", "head_vocab"),
+    [("markov", False, "full"), ("rnn", False, "full"), ("markov", True, "full"), ("rnn", True, "draft")],
+)
+def test_greedy_generation_through_kernels_equals_torch_path(head, vocab, head_vocab, monkeypatch):
     import hf_dspark.kernels
 
     target = tiny_target("llama")
@@ -149,7 +152,7 @@ def test_greedy_generation_through_kernels_equals_torch_path(head, vocab, monkey
     with torch.no_grad():
         draft.sequential_head.markov_w2.weight.normal_(0, 1.0)
     if vocab:
-        draft.set_draft_vocab(torch.arange(0, 96, 3))
+        draft.set_draft_vocab(torch.arange(0, 96, 3)).set_head_vocab(head_vocab)  # "draft": W2 holds 32 rows
     ids = torch.tensor([[5, 9, 14, 3, 77]])
     monkeypatch.setenv("HF_DSPARK_KERNELS", "torch")
     torch_out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=draft)

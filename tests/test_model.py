@@ -303,6 +303,73 @@ def test_draft_vocabulary_errors(ids, message):
         DSparkConfig(target_vocab_size=96, draft_vocab_size=97)
 
 
+@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
+def test_a_head_storing_draft_vocabulary_rows_proposes_the_same_and_saves_smaller(tmp_path, head):
+    """head_vocab='draft' keeps W2's rows for the draft vocabulary only: greedy and sampled proposals, draft
+    probabilities and confidences equal the whole-vocabulary W2's; the checkpoint holds (V - Vd)·r fewer values;
+    changing the vocabulary keeps the shared rows and 'full' brings the dropped ones back as zeros."""
+    from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
+
+    from hf_dspark.drafting import DraftContext, draft_block
+
+    target = tiny_target("llama", dtype=torch.float64)
+    full = _perturbed_draft(target, head_type=head).double()
+    vocab = torch.arange(2, 96, 3)
+    full.set_draft_vocab(vocab)
+    full.save_pretrained(tmp_path / "full")
+    DSparkDraftModel.from_pretrained(tmp_path / "full").set_head_vocab("draft").save_pretrained(tmp_path / "compact")
+    compact = DSparkDraftModel.from_pretrained(tmp_path / "compact").attach(target)
+    w2 = "sequential_head.markov_w2.weight"
+    assert compact.config.head_vocab == "draft" and compact.state_dict()[w2].shape == (len(vocab), 8)
+    assert torch.equal(compact.state_dict()[w2], full.state_dict()[w2][vocab])
+    saved = [(tmp_path / name / "model.safetensors").stat().st_size for name in ("full", "compact")]
+    assert saved[0] - saved[1] == (96 - len(vocab)) * 8 * 8  # float64 rows of the 64 tokens outside
+
+    R, history = 2, [torch.tensor([7, 8, 9, 10, 11, 12, 13]), torch.tensor([1, 2, 3, 4, 5, 6, 40])]
+    feats = torch.randn(R, 6, len(full.config.target_layer_ids) * 32, dtype=torch.float64)
+
+    def propose(draft, processors, sample):
+        ctx = DraftContext.empty(draft, R, torch.device("cpu"))
+        ctx.extend(draft.fuse_context(feats), torch.arange(6).expand(R, 6), torch.ones(R, 6, dtype=torch.bool))
+        torch.manual_seed(0)
+        return draft_block(draft, ctx, history, torch.full((R,), 6), 4, processors, sample)
+
+    warm = LogitsProcessorList([TemperatureLogitsWarper(0.7)])
+    for processors, sample in ((LogitsProcessorList(), False), (warm, False), (warm, True)):
+        a, b = propose(full, processors, sample), propose(compact, processors, sample)
+        assert a.tokens.tolist() == b.tokens.tolist()
+        torch.testing.assert_close(a.confidences, b.confidences, rtol=0, atol=1e-12)
+        if sample:
+            torch.testing.assert_close(a.probs, b.probs, rtol=0, atol=1e-12)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    kw = dict(max_new_tokens=20, do_sample=False)
+    assert target.generate(ids, assistant_model=compact, **kw).tolist() == target.generate(ids, **kw).tolist()
+
+    # another vocabulary: shared rows kept, new ones zero; the whole vocabulary: dropped rows back as zeros
+    kept = compact.state_dict()[w2].clone()
+    compact.set_draft_vocab(torch.arange(0, 96, 2))
+    assert compact.config.head_vocab == "draft" and compact.state_dict()[w2].shape == (48, 8)
+    shared = torch.tensor([t for t in range(0, 96, 2) if t % 3 == 2])
+    assert torch.equal(compact.state_dict()[w2][shared // 2], kept[(shared - 2) // 3])
+    assert not compact.state_dict()[w2][torch.tensor([t // 2 for t in range(0, 96, 2) if t % 3 != 2])].any()
+    compact.set_draft_vocab(None)
+    assert compact.config.head_vocab == "full" and compact.state_dict()[w2].shape == (96, 8)
+    assert torch.equal(compact.state_dict()[w2][shared], kept[(shared - 2) // 3])
+    assert compact.state_dict()[w2].count_nonzero(dim=1).gt(0).sum() == len(shared)
+
+
+def test_head_vocabulary_errors():
+    draft = DSparkDraftModel.from_target(tiny_target("llama"), block_size=4, head_rank=8)
+    with pytest.raises(ValueError, match=r"set_head_vocab\('draft'\) needs a draft vocabulary"):
+        draft.set_head_vocab("draft")
+    with pytest.raises(ValueError, match="set_head_vocab takes 'full' or 'draft', got 'target'"):
+        draft.set_head_vocab("target")
+    with pytest.raises(ValueError, match="head_vocab='draft' stores W2's rows for a draft vocabulary"):
+        DSparkConfig(target_vocab_size=96, head_vocab="draft")
+    with pytest.raises(ValueError, match="head_vocab must be one of"):
+        DSparkConfig(target_vocab_size=96, head_vocab="half")
+
+
 def test_frequent_tokens_by_hand():
     from hf_dspark.training.data import frequent_tokens
 

@@ -42,6 +42,28 @@ def test_a_new_run_starts_from_a_finished_drafts_weights_and_vocabulary(tmp_path
         start_from(other_layout, tmp_path / "final")
 
 
+def test_a_new_run_starts_from_a_draft_storing_draft_vocabulary_rows(tmp_path):
+    """The shipped draft keeps W2's rows for its draft vocabulary only: a run started from it gets those rows in
+    place, zeros for the tokens it never proposed, and the same weights everywhere else."""
+    target = tiny_target("llama", vocab_size=96)
+    finished = build_draft(target, "markov", mask_token_id=7)
+    with torch.no_grad():
+        for p in finished.parameters():
+            p.add_(torch.randn_like(p))
+    vocab = [1, 3, 7, 40, 95]
+    finished.set_draft_vocab(vocab)
+    whole = {k: v.clone() for k, v in finished.state_dict().items() if k != "draft_vocab"}
+    finished.set_head_vocab("draft").save_pretrained(tmp_path / "shipped")
+
+    fresh = build_draft(target, "markov", mask_token_id=7)
+    assert start_from(fresh, tmp_path / "shipped").tolist() == vocab
+    assert fresh.config.head_vocab == "full" and fresh.state_dict().keys() == whole.keys()
+    w2 = "sequential_head.markov_w2.weight"
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in whole.items() if k != w2)
+    assert torch.equal(fresh.state_dict()[w2][vocab], whole[w2][vocab])
+    assert fresh.state_dict()[w2].count_nonzero(dim=1).gt(0).sum() == len(vocab)
+
+
 def test_a_deeper_run_grows_a_finished_draft_and_starts_out_computing_the_same(tmp_path):
     """--layers 3 --init-from a 2-layer draft: the finished layers on top, the added bottom layer a residual no-op
     (zero output projections, the target's weights elsewhere), so the first step starts from the finished draft."""

@@ -85,6 +85,24 @@ def test_exported_draft_decodes_identically_after_loading_back(tmp_path, head):
     assert sum(runs[0][2]) > 0  # the draft's proposals were accepted, so its weights mattered
 
 
+def test_a_draft_storing_draft_vocabulary_rows_exports_the_same_checkpoint(tmp_path):
+    """A head that keeps W2's rows for the draft vocabulary only (head_vocab='draft', as the shipped draft does)
+    exports tensor for tensor what the same draft with the whole-vocabulary W2 exports."""
+    from safetensors.torch import load_file
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8, qk_norm=True, mask_token_id=7)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.3)
+    draft.set_draft_vocab(list(range(3, 96, 2)))
+    export_speculators(draft, tmp_path / "full", verifier="org/target")
+    export_speculators(draft.set_head_vocab("draft"), tmp_path / "compact", verifier="org/target")
+    full, compact = (load_file(tmp_path / name / "model.safetensors") for name in ("full", "compact"))
+    assert full.keys() == compact.keys() and full["markov_head.markov_w2.weight"].shape == (47, 8)
+    assert all(torch.equal(full[k], compact[k]) for k in full)
+
+
 def test_what_the_layout_cannot_hold_is_refused_with_the_remedy():
     """A Llama-style draft with a learned mask vector (the layout SmolLM2 drafts shipped in before 2026-12)
     cannot be expressed: the error names both remedies; a draft narrower than its target is refused too."""

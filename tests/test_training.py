@@ -122,6 +122,30 @@ def test_training_over_a_draft_vocabulary(setup, head):
             DSparkTrainingModule(draft, vocab=torch.tensor(bad, dtype=torch.long))
 
 
+def test_a_draft_storing_draft_vocabulary_rows_trains_over_that_vocabulary(setup):
+    """head_vocab='draft': training over the draft vocabulary computes what the whole-vocabulary W2 computes, its
+    W2 gets the gradient of those rows, and any other training vocabulary is refused by name."""
+    target, rows = setup
+    torch.manual_seed(2)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 1.0)
+    batch = _batch(target, draft, rows)
+    vocab = torch.arange(1, 96, 2)
+    ref = DSparkTrainingModule(draft, vocab=vocab)(*batch)
+    ref["loss"].backward()
+    ref_grad = draft.sequential_head.markov_w2.weight.grad[vocab].clone()
+    draft.zero_grad()
+    draft.set_draft_vocab(vocab).set_head_vocab("draft")
+    out = DSparkTrainingModule(draft, vocab=vocab)(*batch)
+    for key in ["loss", "ce", "tv", "accept", "greedy_accept"]:
+        torch.testing.assert_close(out[key], ref[key], rtol=1e-6, atol=1e-6)
+    out["loss"].backward()
+    torch.testing.assert_close(draft.sequential_head.markov_w2.weight.grad, ref_grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"train over that same vocabulary, or call draft\.set_head_vocab"):
+        DSparkTrainingModule(draft, vocab=torch.arange(0, 96, 2))(*batch)
+
+
 def test_block_outputs_do_not_see_tokens_after_the_anchor(setup):
     target, rows = setup
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8).eval()

@@ -142,7 +142,7 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
     vocab_size = c.target_vocab_size
     if vocab is not None:
         ids = vocab.detach().cpu().long()
-        if "markov_head.markov_w2.weight" in weights:
+        if "markov_head.markov_w2.weight" in weights and c.head_vocab == "full":  # "draft": already these rows
             weights["markov_head.markov_w2.weight"] = weights["markov_head.markov_w2.weight"][ids].contiguous()
         weights["d2t"] = ids - torch.arange(ids.shape[0])
         t2d = torch.zeros(vocab_size, dtype=torch.bool)

@@ -64,6 +64,19 @@ class BlockPredictions:
     confidence_logits: torch.Tensor | None  # [R, A, γ]
 
 
+def _head_rows(draft: DSparkDraftModel, vocab: torch.Tensor) -> torch.Tensor:
+    """W2's rows for the training vocabulary ``vocab`` [Vd] -> [Vd, r], keeping their gradient."""
+    w2 = draft.sequential_head.markov_w2.weight
+    if draft.config.head_vocab == "full":
+        return w2[vocab]
+    if draft.draft_vocab is None or not torch.equal(vocab.to(draft.draft_vocab.device), draft.draft_vocab):
+        raise ValueError(
+            "this draft's head stores W2 for its draft vocabulary only (head_vocab='draft'): train over that same "
+            "vocabulary, or call draft.set_head_vocab('full') first"
+        )
+    return w2
+
+
 def block_predictions(
     draft: DSparkDraftModel,
     features: torch.Tensor,
@@ -108,7 +121,7 @@ def block_predictions(
         head_rows = head.weight[vocab]
         head_bias = head.bias[vocab] if getattr(head, "bias", None) is not None else None
         logits = F.linear(h, head_rows, head_bias).float()
-        rows = draft.sequential_head.markov_w2.weight[vocab] if draft.sequential_head is not None else None
+        rows = None if draft.sequential_head is None else _head_rows(draft, vocab)
     feature = None
     if draft.sequential_head is not None:
         bias, feature = draft.sequential_head.teacher_forced(prev, h, rows)
