@@ -1,15 +1,17 @@
 """Learning curve of SmolLM2 training runs: held-out τ of each kept checkpoint, against steps and supervised tokens.
 
     python benchmarks/learning_curve.py --run run5k-markov-a96 [--run ...] [--prompts 24] [--source S] [--threads 2]
-        [--out benchmarks/results/learning_curve]
+        [--dtype bfloat16|float32] [--out benchmarks/results/learning_curve]
 
 For every ``checkpoint-N`` a run kept (``--milestone-every`` in the recipe) and its final draft: greedy DSpark
 decoding by the draft alone (fixed γ, no lookup) of the recipe's held-out prompts (all sources, or only
-``--source``'s; never trained on; not the eval sets, which stay for the final measurement), bfloat16 target, 128 new
-tokens; the shipped draft on the same prompts is the reference line. Supervised tokens = steps × sequences per step
-× anchors × γ (the (anchor, slot) pairs a run trains on; a few fall past the end of an answer); a warm restart's
-steps count on from the runs it continues. Results accumulate in ``<out>/<run>.json`` (a checkpoint already
-measured with the same prompts is not measured again), and ``<out>/learning_curve.png`` plots them all.
+``--source``'s; never trained on; not the eval sets, which stay for the final measurement), bfloat16 target (or
+``--dtype float32``: cheaper on CPUs without bfloat16 units, a quick check between runs, written to
+``<run>-float32.json``), 128 new tokens; the shipped draft on the same prompts is the reference line. Supervised
+tokens = steps × sequences per step × anchors × γ (the (anchor, slot) pairs a run trains on; a few fall past the
+end of an answer); a warm restart's steps count on from the runs it continues. Results accumulate in
+``<out>/<run>.json`` (a checkpoint already measured with the same prompts is not measured again), and
+``<out>/learning_curve.png`` plots them all.
 """
 
 from __future__ import annotations
@@ -86,24 +88,29 @@ def main() -> None:
     ap.add_argument("--source", default=None, help="only held-out prompts of this source (e.g. sharegpt_prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target and draft dtype")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_curve")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target32, tokenizer = load_target()
-    target, _ = load_target(torch.bfloat16)
+    dtype = getattr(torch, args.dtype)
+    target = target32 if dtype == torch.float32 else load_target(dtype)[0]
     rows = [r for r in held_out_prompts(tokenizer) if len(r["prompt_ids"]) <= 512]
     if args.source is not None:
         rows = [r for r in rows if r["id"].split(":")[0] == args.source]
         if not rows:
             raise SystemExit(f"no held-out prompts of source {args.source!r}")
     prompts = [r["prompt_ids"] for r in rows][: args.prompts]
-    setting = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "target": "bfloat16"}
+    setting = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "target": args.dtype}
     if args.source is not None:  # a new key only when set, so curves measured before still compare
         setting["source"] = args.source
     args.out.mkdir(parents=True, exist_ok=True)
     curves = {}
     for name in args.run:
-        run, path = STATE / name, args.out / f"{name}.json"
+        run, path = (
+            STATE / name,
+            args.out / (f"{name}.json" if args.dtype == "bfloat16" else f"{name}-{args.dtype}.json"),
+        )
         curve = json.loads(path.read_text()) if path.is_file() else {}
         if curve.get("setting") != setting:  # other prompts: nothing measured before compares
             curve = {"setting": setting, "points": []}
@@ -126,13 +133,13 @@ def main() -> None:
             draft, got = load_run(target32, tokenizer, run, args.head, checkpoint)
             got += before
             point = {"step": got, "supervised_tokens": got * anchors * draft.config.block_size}
-            point |= measure(target, draft.to(torch.bfloat16), prompts, args.max_new_tokens)
+            point |= measure(target, draft.to(dtype), prompts, args.max_new_tokens)
             curve["points"].append(point)
             print(f"{name}@{got}: tau {point['tau']:.3f}", flush=True)
             path.write_text(json.dumps(curve, indent=1) + "\n")
         path.write_text(json.dumps(curve, indent=1) + "\n")
         curves[name] = curve
-    plot(curves, args.out / "learning_curve.png")
+    plot(curves, args.out / ("learning_curve.png" if args.dtype == "bfloat16" else f"learning_curve-{args.dtype}.png"))
     for name, curve in curves.items():
         print(name, [(p["step"], p["tau"]) for p in sorted(curve["points"], key=lambda p: p["step"])],
               "shipped", curve["reference"]["tau"])  # fmt: skip
