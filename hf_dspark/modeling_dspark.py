@@ -172,7 +172,7 @@ class DSparkDraftModel(PreTrainedModel):
             self.register_buffer("draft_vocab", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab = None
-        self._vocab_rows: dict | None = None  # name -> (key, rows of draft_vocab, bias), rebuilt on any change
+        self._vocab_rows: dict | None = None  # name -> (key, value) of _cached, rebuilt on any change
         self._target: _TargetRef | None = None
         self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
         self.sps_profile = None  # hf_dspark.scheduler.SPSProfile set by the user; overrides the measured ones
@@ -304,16 +304,23 @@ class DSparkDraftModel(PreTrainedModel):
         linear.out_features = weight.shape[0]
         self._vocab_rows = None
 
-    def _subset_rows(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None):
-        """``weight[draft_vocab]`` (and ``bias``), gathered once and reused until the weight or the vocabulary
-        changes (keyed by identity, version and storage)."""
-        key = (name, id(weight), weight._version, weight.data_ptr(), self.draft_vocab.data_ptr())
+    def _cached(self, name: str, weight: torch.Tensor, build):
+        """``build()``, computed once and reused until ``weight`` or the draft vocabulary changes (keyed by
+        identity, version and storage; any vocabulary, head or target change also clears the cache)."""
+        key = (id(weight), weight._version, weight.data_ptr(), self.draft_vocab.data_ptr())
         cached = self._vocab_rows.get(name) if self._vocab_rows else None
         if cached is None or cached[0] != key:
-            rows = weight[self.draft_vocab].contiguous()
-            cached = (key, rows, bias[self.draft_vocab] if bias is not None else None)
+            cached = (key, build())
             self._vocab_rows = {**(self._vocab_rows or {}), name: cached}
-        return cached[1], cached[2]
+        return cached[1]
+
+    def _subset_rows(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None):
+        """``weight[draft_vocab]`` and ``bias[draft_vocab]`` (or ``None``), gathered once (see :meth:`_cached`)."""
+        return self._cached(
+            name,
+            weight,
+            lambda: (weight[self.draft_vocab].contiguous(), None if bias is None else bias[self.draft_vocab]),
+        )
 
     def draft_vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] -> base logits over the draft vocabulary only, [..., len(draft_vocab)] (column i is token
@@ -339,13 +346,7 @@ class DSparkDraftModel(PreTrainedModel):
         the whole vocabulary (or there is no head). Built once and reused until the weight changes."""
         if self.sequential_head is None or self.config.head_vocab == "full":
             return None
-        w2 = self.sequential_head.markov_w2.weight
-        key = ("full_w2", id(w2), w2._version, w2.data_ptr(), self.draft_vocab.data_ptr())
-        cached = self._vocab_rows.get("full_w2") if self._vocab_rows else None
-        if cached is None or cached[0] != key:
-            cached = (key, self._full_head_weight(), None)
-            self._vocab_rows = {**(self._vocab_rows or {}), "full_w2": cached}
-        return cached[1]
+        return self._cached("full_w2", self.sequential_head.markov_w2.weight, self._full_head_weight)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] -> base logits [..., V] over the full vocabulary; with a draft vocabulary only its rows are
