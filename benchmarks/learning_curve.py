@@ -105,12 +105,10 @@ def main() -> None:
     if args.source is not None:  # a new key only when set, so curves measured before still compare
         setting["source"] = args.source
     args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if args.dtype == "bfloat16" else f"-{args.dtype}"  # bf16 curves keep the names they always had
     curves = {}
     for name in args.run:
-        run, path = (
-            STATE / name,
-            args.out / (f"{name}.json" if args.dtype == "bfloat16" else f"{name}-{args.dtype}.json"),
-        )
+        run, path = STATE / name, args.out / f"{name}{suffix}.json"
         curve = json.loads(path.read_text()) if path.is_file() else {}
         if curve.get("setting") != setting:  # other prompts: nothing measured before compares
             curve = {"setting": setting, "points": []}
@@ -139,7 +137,7 @@ def main() -> None:
             path.write_text(json.dumps(curve, indent=1) + "\n")
         path.write_text(json.dumps(curve, indent=1) + "\n")
         curves[name] = curve
-    plot(curves, args.out / ("learning_curve.png" if args.dtype == "bfloat16" else f"learning_curve-{args.dtype}.png"))
+    plot(curves, args.out / f"learning_curve{suffix}.png")
     for name, curve in curves.items():
         print(name, [(p["step"], p["tau"]) for p in sorted(curve["points"], key=lambda p: p["step"])],
               "shipped", curve["reference"]["tau"])  # fmt: skip
