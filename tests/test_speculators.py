@@ -103,6 +103,31 @@ def test_a_draft_storing_draft_vocabulary_rows_exports_the_same_checkpoint(tmp_p
     assert all(torch.equal(full[k], compact[k]) for k in full)
 
 
+def test_import_keeps_draft_vocabulary_rows_in_any_d2t_order(tmp_path):
+    """speculators stores W2 (and d2t) for the draft vocabulary in whatever order d2t lists it; the import keeps
+    those rows only (head_vocab 'draft'), sorted by token id like ours: a permuted checkpoint loads the same draft."""
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8, qk_norm=True, mask_token_id=7)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.3)
+    draft.set_draft_vocab(list(range(3, 96, 2))).attach(target)
+    folder = export_speculators(draft, tmp_path / "spec", verifier="org/target")
+    weights = load_file(folder / "model.safetensors")
+    ids = weights["d2t"] + torch.arange(47)
+    perm = torch.randperm(47, generator=torch.Generator().manual_seed(0))
+    weights["d2t"] = ids[perm] - torch.arange(47)
+    for key in ("markov_head.markov_w2.weight", "lm_head.weight"):
+        weights[key] = weights[key][perm].contiguous()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    back = DSparkDraftModel.from_pretrained(folder)
+    assert back.config.head_vocab == "draft" and torch.equal(back.draft_vocab, draft.draft_vocab)
+    compact = draft.set_head_vocab("draft").state_dict()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in compact.items())
+
+
 def test_what_the_layout_cannot_hold_is_refused_with_the_remedy():
     """A Llama-style draft with a learned mask vector (the layout SmolLM2 drafts shipped in before 2026-12)
     cannot be expressed: the error names both remedies; a draft narrower than its target is refused too."""
@@ -181,15 +206,11 @@ def test_the_shipped_draft_exports_and_decodes_identically_after_loading_back(sm
     export_speculators(shipped, tmp_path / "spec", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
     back = DSparkDraftModel.from_pretrained(tmp_path / "spec")
     assert back.config.draft_vocab_size == shipped.config.draft_vocab_size == 8194
-    # the import holds W2 over the whole vocabulary; compare with the shipped one's rows placed the same way
-    ours = DSparkDraftModel.from_pretrained(DRAFT_DIR).set_head_vocab("full").attach(target).state_dict()
-    theirs = back.state_dict()
-    assert theirs.keys() == ours.keys()
-    # the format keeps the Markov output rows of the draft vocabulary only (other tokens are never proposed)
-    w2, rows = "sequential_head.markov_w2.weight", shipped.draft_vocab
-    outside = torch.ones(ours[w2].shape[0], dtype=torch.bool).index_fill_(0, rows, False)
-    assert torch.equal(theirs[w2][rows], ours[w2][rows]) and not theirs[w2][outside].any()
-    assert all(torch.equal(theirs[k], v) for k, v in ours.items() if k != w2)
+    # the format keeps the Markov output rows of the draft vocabulary only, as the shipped draft does: the import
+    # stores them the same way (head_vocab "draft"), so every tensor comes back as it was
+    assert back.config.head_vocab == shipped.config.head_vocab == "draft"
+    ours, theirs = shipped.state_dict(), back.state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], v) for k, v in ours.items())
     ids = tokenizer("Write a Python function that reverses a string.", return_tensors="pt")["input_ids"]
     outs = []
     for d in (shipped, back):

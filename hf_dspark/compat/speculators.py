@@ -102,12 +102,11 @@ def load_speculators(model_class, folder: str | Path, raw: dict, dtype: torch.dt
         ids = theirs["d2t"].long() + torch.arange(theirs["d2t"].shape[0])
         if "t2d" in theirs and not torch.equal(theirs["t2d"].bool().nonzero()[:, 0], ids.sort().values):
             raise ValueError(f"speculators checkpoint {folder}: t2d and d2t name different draft vocabularies")
-        mapped["draft_vocab"] = ids.sort().values  # ours is sorted; W2's rows are placed by token id either way
-        w2 = mapped.get("sequential_head.markov_w2.weight")
-        if w2 is not None:  # theirs spans the draft vocabulary; ours the target's (other rows are never read)
-            full = w2.new_zeros(config.target_vocab_size, w2.shape[1])
-            full[ids] = w2
-            mapped["sequential_head.markov_w2.weight"] = full
+        order = ids.argsort()  # ours is sorted by token id; theirs follows d2t
+        mapped["draft_vocab"] = ids[order]
+        if "sequential_head.markov_w2.weight" in mapped:  # theirs holds the draft vocabulary's rows only: so do we
+            mapped["sequential_head.markov_w2.weight"] = mapped["sequential_head.markov_w2.weight"][order]
+            config.head_vocab = "draft"
     return load_mapped(model_class, folder, config, mapped, "speculators", dtype)
 
 

@@ -79,7 +79,7 @@ def ours_block(draft, features, ids, p):
         feature = None
         if draft.sequential_head is not None:
             bias, feature, state = draft.sequential_head.step(prev[k : k + 1], h, state)
-            biases.append(bias[0, cols])
+            biases.append(bias[0] if draft.config.head_vocab == "draft" else bias[0, cols])  # "draft": these rows
         if draft.confidence is not None:
             confs.append(draft.confidence.logit(h, feature)[0])
     logits = out.logits[0][:, cols]
