@@ -100,10 +100,10 @@ def load_speculators(model_class, folder: str | Path, raw: dict, dtype: torch.dt
         if "d2t" not in theirs:
             raise ValueError(f"speculators checkpoint {folder}: draft_vocab_size is set but d2t is missing")
         ids = theirs["d2t"].long() + torch.arange(theirs["d2t"].shape[0])
-        if "t2d" in theirs and not torch.equal(theirs["t2d"].bool().nonzero()[:, 0], ids.sort().values):
-            raise ValueError(f"speculators checkpoint {folder}: t2d and d2t name different draft vocabularies")
         order = ids.argsort()  # ours is sorted by token id; theirs follows d2t
         mapped["draft_vocab"] = ids[order]
+        if "t2d" in theirs and not torch.equal(theirs["t2d"].bool().nonzero()[:, 0], mapped["draft_vocab"]):
+            raise ValueError(f"speculators checkpoint {folder}: t2d and d2t name different draft vocabularies")
         if "sequential_head.markov_w2.weight" in mapped:  # theirs holds the draft vocabulary's rows only: so do we
             mapped["sequential_head.markov_w2.weight"] = mapped["sequential_head.markov_w2.weight"][order]
             config.head_vocab = "draft"
