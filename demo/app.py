@@ -1,14 +1,19 @@
 """Gradio demo: the same prompt through plain `generate` and through DSpark, side by side.
 
-    python -m demo.app                       # embedded SmolLM2-135M-Instruct + the shipped draft, offline
-    python -m demo.app --target DIR --draft DIR [--host 127.0.0.1] [--port 7860]
+    hf-dspark demo                           # embedded SmolLM2-135M-Instruct + the shipped draft, offline
+    hf-dspark demo --target DIR --draft DIR [--host 127.0.0.1] [--port 7860]
+    python -m demo.app ...                   # the same, from a checkout
 
-The DSpark output is coloured by round: green tokens were proposed by the draft and accepted, orange is the
-target's own token (the correction after a rejection, or the bonus after a fully accepted block).
+Both panes are labelled and stream with their own tokens/s. The DSpark pane colours each token by who wrote it:
+drafted by the draft and accepted, looked up from the text and accepted (lookup drafting), or the target's own
+token (the correction after a rejection, or the bonus after a fully accepted block); a legend says so on the page.
+The defaults are the settings the benchmarks found fastest (scheduled verification with lookup drafting).
 
 ``--dtype auto`` (the default, as in ``python -m hf_dspark``) runs bfloat16 on CPUs with native bf16 units. There a
 greedy output may part from plain greedy at a near-tie of the target's logits; the summary then says where, with
-both candidates' logits, judged by the rule `hf-dspark bench` applies (:mod:`hf_dspark.evaluation.ties`).
+both candidates' logits, judged by the rule `hf-dspark bench` applies (:mod:`hf_dspark.evaluation.ties`). The
+page's precision switch runs the same request in float32 (token for token identical to plain greedy) on a float32
+copy of both models, made on first use.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import argparse
 import html
 import os
 import time
-from threading import Thread
+from threading import Lock, Thread
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -30,7 +35,23 @@ from hf_dspark import DSparkDraftModel, dspark_generate
 from hf_dspark.evaluation.bench import warm_up
 from hf_dspark.evaluation.ties import first_divergence, upcast_copy
 
-ACCEPTED, TARGET = "#c8f7c5", "#ffd8a8"
+DRAFTED, LOOKED_UP, TARGET = "#c8f7c5", "#cfe2ff", "#ffd8a8"
+LEGEND = (
+    ("drafted by DSpark, accepted by the target", DRAFTED),
+    ("looked up from the text, accepted", LOOKED_UP),
+    ("the target's own token (correction or bonus)", TARGET),
+)
+# Prompts where DSpark shines (code and arithmetic the draft predicts well, text that repeats the prompt, which
+# lookup drafting copies) and where it does not (open-ended chat, where the draft is accepted least often).
+EXAMPLES = [
+    "Write a Python function that checks whether a number is prime.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
+    "did Natalia sell altogether in April and May? Please reason step by step.",
+    "Repeat this sentence three times, each on its own line: The quick brown fox jumps over the lazy dog.",
+    "Write a short, original poem about a lighthouse keeper who collects lost umbrellas.",
+]
+PANE = '<div class="dspark-pane" style="white-space:pre-wrap;font-family:monospace;min-height:14em">{}</div>'
+WAITING = '<span style="color:#888">DSpark\'s output appears here, coloured as the legend says.</span>'
 
 
 class RoundRecorder(BaseStreamer):
@@ -50,56 +71,105 @@ class RoundRecorder(BaseStreamer):
         self.forward.end()
 
 
-def coloured(tokenizer, rounds: list[list[int]]) -> str:
-    """HTML of the DSpark output: accepted draft tokens green, the target's token of each round orange."""
+def coloured(tokenizer, rounds: list[list[int]], looked_up: list[bool] | None = None) -> str:
+    """HTML of the DSpark output: per round, the accepted proposal (drafted or looked up) then the target's own
+    token. ``rounds[0]`` is the prefill's token; ``looked_up[i]`` says whether round i + 1 verified a lookup
+    continuation (unknown rounds, while streaming, count as drafted)."""
+    looked_up = looked_up or []
     parts = []
     for i, chunk in enumerate(rounds):
         accepted, own = (chunk[:-1], chunk[-1:]) if i > 0 else ([], chunk)  # round 0 is the prefill token
-        for ids, colour in ((accepted, ACCEPTED), (own, TARGET)):
+        proposer = LOOKED_UP if i > 0 and i - 1 < len(looked_up) and looked_up[i - 1] else DRAFTED
+        for ids, colour in ((accepted, proposer), (own, TARGET)):
             if ids:
                 text = html.escape(tokenizer.decode(ids, skip_special_tokens=True))
                 parts.append(f'<span style="background:{colour}">{text}</span>')
-    return '<div style="white-space:pre-wrap;font-family:monospace">' + "".join(parts) + "</div>"
+    return PANE.format("".join(parts))
+
+
+def legend_html() -> str:
+    chips = "".join(
+        f'<span style="background:{colour};padding:0 .4em;margin-right:1em">{html.escape(text)}</span>'
+        for text, colour in LEGEND
+    )
+    return f'<div id="legend" style="font-size:.9em">{chips}</div>'
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def float32_pair(target, draft: DSparkDraftModel):
+    """A float32 copy of the target and of the draft (same weights, upcast), the draft attached to the copy."""
+    target32 = upcast_copy(target)
+    draft32 = type(draft)(draft.config).to(torch.float32)
+    draft32.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in draft.state_dict().items()})
+    draft32.head_enabled = draft.head_enabled
+    return target32, draft32.attach(target32)
 
 
 def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
     """The Blocks app for one target/draft pair. API name of the comparison: ``/compare``."""
     max_context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
     lookup_n = draft.config.lookup_max_ngram or 3  # what the lookup checkbox turns on: the draft's own N if it has one
-    exact_copy = {}  # the target's weights in float32, made on the first greedy difference in low precision
+    loaded = _dtype_name(target.dtype)
+    precisions = [loaded] if loaded == "float32" else [loaded, "float32"]
+    pairs = {loaded: (target, draft)}  # precision -> (target, draft); the float32 copy is made on first use
+    pairs_lock = Lock()
 
-    def agreement(ids, out, reference) -> str:
+    def pair_for(precision: str):
+        with pairs_lock:
+            if precision not in pairs:
+                target32, draft32 = float32_pair(target, draft)
+                warm_up(target32, draft32, tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt"
+                )["input_ids"])  # fmt: skip
+                pairs[precision] = (target32, draft32)
+            return pairs[precision]
+
+    def agreement(model, ids, out, reference) -> str:
         """How the DSpark output compares with plain greedy's (greedy runs only)."""
-        strict = target.dtype in (torch.float32, torch.float64)
-        if not strict and "model" not in exact_copy:
-            exact_copy["model"] = upcast_copy(target)
-        found = first_divergence(target, out, reference, exact_copy.get("model"), prompt_len=ids.shape[1])
+        strict = model.dtype in (torch.float32, torch.float64)
+        exact = None if strict else pair_for("float32")[0]
+        found = first_divergence(model, out, reference, exact, prompt_len=ids.shape[1])
         if found is None:
-            return "identical to plain greedy"
+            return f"identical to plain greedy ({_dtype_name(model.dtype)})"
         line = found.describe(tokenizer)
         if strict or not found.tie:
             return f"**differs from plain greedy, and not at a near-tie: a bug, please report it.** {line}"
-        return f"{line} ({str(target.dtype)[6:]} rounds a multi-token verify differently from a one-token step)"
+        return (
+            f"{line} ({_dtype_name(model.dtype)} rounds a multi-token verify differently from a one-token step; "
+            "choose float32 precision for token-for-token identical output)"
+        )
 
-    def stream(ids, gen_kwargs, dspark_settings=None):
+    def stream(model, ids, gen_kwargs, dspark=None, settings=None):
         text_streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         recorder = RoundRecorder(text_streamer)
         kwargs = dict(gen_kwargs, streamer=recorder)
-        if dspark_settings is not None:  # this request's own settings: the shared draft's config is never changed
-            kwargs.update(dspark_settings, custom_generate=dspark_generate, draft=draft, return_dict_in_generate=True)
+        if dspark is not None:  # this request's own settings: the shared draft's config is never changed
+            kwargs.update(settings, custom_generate=dspark_generate, draft=dspark, return_dict_in_generate=True)
         result = {}
 
         def run():
             t0 = time.perf_counter()
-            out = target.generate(ids, **kwargs)
-            result["out"], result["stats"] = (out.sequences, out.dspark_stats) if dspark_settings else (out, None)
+            try:
+                out = model.generate(ids, **kwargs)
+                result["out"], result["stats"] = (out.sequences, out.dspark_stats) if dspark else (out, None)
+            except Exception as e:  # shown on the page, not lost in the thread
+                result["error"] = e
+                text_streamer.end()
             result["seconds"] = time.perf_counter() - t0
 
         thread = Thread(target=run)
         thread.start()
         return text_streamer, recorder, thread, result
 
-    def compare(prompt, sampling, temperature, max_new_tokens, gamma, mode, head_on=True, lookup=False):
+    def speed(name: str, n: int, seconds: float, done: bool) -> str:
+        rate = n / max(seconds, 1e-6)
+        return f"**{name}** · {n} tokens · **{rate:.1f} tok/s**" + ("" if done else " · generating…")
+
+    def compare(prompt, sampling, temperature, max_new_tokens, gamma, mode, head_on=True, lookup=True,
+                precision=loaded):  # fmt: skip
         if not prompt or not prompt.strip():
             raise gr.Error("Please enter a prompt.")
         ids = tokenizer.apply_chat_template(
@@ -110,38 +180,46 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
                 f"The prompt is {ids.shape[1]} tokens; with {int(max_new_tokens)} new tokens it exceeds the "
                 f"target's context of {max_context} tokens."
             )
+        if precision != loaded:
+            yield "", PANE.format(WAITING), "", "", f"preparing the {precision} copy of both models (once)…", None
+        model, dspark = pair_for(precision)
         gen = dict(max_new_tokens=int(max_new_tokens), do_sample=bool(sampling))
         if sampling:
             gen["temperature"] = float(temperature)
         settings = dict(verify_mode=mode, verify_limit=int(gamma), lookup_max_ngram=lookup_n if lookup else 0)
-        draft.head_enabled = bool(head_on)  # an ablation switch on the draft itself (not a per-call setting)
-        plain_text = dspark_html = ""
-
-        def live(name, recorder, t0):
-            n = sum(len(r) for r in recorder.rounds)
-            return f"generating ({name}): {n} tokens, {n / max(time.perf_counter() - t0, 1e-6):.1f} tok/s"
+        dspark.head_enabled = bool(head_on)  # an ablation switch on the draft itself (not a per-call setting)
+        plain_text, plain_speed = "", ""
 
         # plain first, then DSpark: run one at a time so the speed figures don't fight over the CPU
         t0 = time.perf_counter()
-        streamer, recorder, thread, plain = stream(ids, gen)
+        streamer, recorder, thread, plain = stream(model, ids, gen)
         for piece in streamer:
             plain_text += piece
-            yield plain_text, dspark_html, live("plain", recorder, t0), None
+            n = sum(len(r) for r in recorder.rounds)
+            plain_speed = speed("plain", n, time.perf_counter() - t0, False)
+            yield plain_text, PANE.format(WAITING), plain_speed, "", "", None
         thread.join()
-        t0 = time.perf_counter()
-        streamer, recorder, thread, fast = stream(ids, gen, settings)
-        for _ in streamer:
-            yield plain_text, coloured(tokenizer, recorder.rounds), live("DSpark", recorder, t0), None
-        thread.join()
+        if "error" in plain:
+            raise gr.Error(f"plain generate failed: {plain['error']}")
         n_plain = plain["out"].shape[1] - ids.shape[1]
+        plain_speed = speed("plain", n_plain, plain["seconds"], True)
+        t0 = time.perf_counter()
+        streamer, recorder, thread, fast = stream(model, ids, gen, dspark, settings)
+        for _ in streamer:
+            n = sum(len(r) for r in recorder.rounds)
+            live = dspark.stats.looked_up  # the running call's (requests are served one at a time)
+            fast_speed = speed("DSpark", n, time.perf_counter() - t0, False)
+            yield plain_text, coloured(tokenizer, recorder.rounds, live), plain_speed, fast_speed, "", None
+        thread.join()
+        if "error" in fast:
+            raise gr.Error(f"DSpark generate failed: {fast['error']}")
         n_fast = fast["out"].shape[1] - ids.shape[1]
         stats = fast["stats"]
         summary = (
-            f"**plain** {n_plain / plain['seconds']:.1f} tok/s · **DSpark** {n_fast / fast['seconds']:.1f} tok/s · "
             f"**speedup** {plain['seconds'] / fast['seconds'] * n_fast / max(n_plain, 1):.2f}× · "
             f"**τ** {stats.tau:.2f} tokens/round over {stats.rounds} rounds"
             + (f" ({sum(stats.looked_up)} looked up)" if lookup else "")
-            + ("" if sampling else f"  \n{agreement(ids, fast['out'], plain['out'])}")
+            + ("" if sampling else f"  \n{agreement(model, ids, fast['out'], plain['out'])}")
         )
         acc = stats.position_acceptance()
         chart = {
@@ -150,44 +228,64 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
         }
         import pandas as pd
 
-        yield plain_text, coloured(tokenizer, recorder.rounds), summary, pd.DataFrame(chart)
+        final = coloured(tokenizer, recorder.rounds, stats.looked_up)
+        yield (
+            plain_text,
+            final,
+            plain_speed,
+            speed("DSpark", n_fast, fast["seconds"], True),
+            summary,
+            pd.DataFrame(chart),
+        )
 
+    modes = ["fixed"] + (["threshold", "scheduled", "async"] if draft.confidence is not None else [])
+    fastest_mode = "scheduled" if "scheduled" in modes else "fixed"  # the benchmarks' fastest (docs/results.md)
     with gr.Blocks(title="hf-dspark: DSpark vs plain generate") as demo:
-        gr.Markdown("# DSpark speculative decoding vs plain `generate`\nSame target, same output distribution.")
+        gr.Markdown(
+            "# DSpark speculative decoding vs plain `generate`\n"
+            "The same target answers the same prompt twice: once token by token, once with a DSpark draft proposing "
+            "blocks that the target verifies. The output distribution is the target's either way."
+        )
         prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt")
+        gr.Examples(EXAMPLES, inputs=[prompt], label="Example prompts (code, math, repetition, open-ended chat)")
         with gr.Row():
             sampling = gr.Checkbox(label="sample (else greedy)", value=False)
             temperature = gr.Slider(0.1, 2.0, value=0.7, label="temperature")
             max_new = gr.Slider(8, 512, value=128, step=8, label="max new tokens")
             gamma = gr.Slider(1, draft.config.num_draft_tokens, value=draft.config.num_draft_tokens, step=1,
                               label="γ (max draft tokens verified)")  # fmt: skip
-            modes = ["fixed"] + (["threshold", "scheduled", "async"] if draft.confidence is not None else [])
-            mode = gr.Dropdown(modes, value=modes[-2] if len(modes) > 1 else "fixed", label="verify mode")
+            mode = gr.Dropdown(modes, value=fastest_mode, label="verify mode")
             head_on = gr.Checkbox(label="sequential head", value=draft.sequential_head is not None,
                                   interactive=draft.sequential_head is not None)  # fmt: skip
-            lookup = gr.Checkbox(label="lookup drafting (verify repeats of the text)",
-                                 value=draft.config.lookup_max_ngram > 0)  # fmt: skip
+            lookup = gr.Checkbox(label="lookup drafting (verify repeats of the text)", value=True)
+            precision = gr.Radio(precisions, value=loaded, label="precision (float32: identical to plain greedy)",
+                                 interactive=len(precisions) > 1, elem_id="precision")  # fmt: skip
         button = gr.Button("Generate", variant="primary", elem_id="generate")
-        with gr.Row():
-            plain_out = gr.Textbox(label="plain generate", lines=12, elem_id="plain")
-            dspark_out = gr.HTML(label="DSpark (green: accepted draft tokens, orange: target's token)",
-                                 elem_id="dspark")  # fmt: skip
+        with gr.Row(equal_height=True):
+            with gr.Column():
+                gr.Markdown("### plain `generate`")
+                plain_speed = gr.Markdown("**plain** · waiting", elem_id="plain-speed")
+                plain_out = gr.Textbox(show_label=False, lines=12, elem_id="plain",
+                                       placeholder="plain generate's output appears here")  # fmt: skip
+            with gr.Column():
+                gr.Markdown("### DSpark")
+                dspark_speed = gr.Markdown("**DSpark** · waiting", elem_id="dspark-speed")
+                gr.HTML(legend_html())
+                dspark_out = gr.HTML(PANE.format(WAITING), elem_id="dspark")
         stats = gr.Markdown(elem_id="stats")
         chart = gr.BarPlot(x="position", y="acceptance", title="acceptance by block position (last run)",
                            y_lim=[0, 1])  # fmt: skip
-        button.click(compare, [prompt, sampling, temperature, max_new, gamma, mode, head_on, lookup],
-                     [plain_out, dspark_out, stats, chart], api_name="compare")  # fmt: skip
+        button.click(compare, [prompt, sampling, temperature, max_new, gamma, mode, head_on, lookup, precision],
+                     [plain_out, dspark_out, plain_speed, dspark_speed, stats, chart], api_name="compare")  # fmt: skip
     return demo
 
 
 def load_pair(target_spec: str, draft_spec: str | None, dtype: str = "auto"):
     """(target, tokenizer, draft): the embedded default, or folders/Hub ids; ``dtype`` as in ``--dtype``."""
     from hf_dspark import embedded
-    from hf_dspark.cli import load_target
+    from hf_dspark.cli import load_target, resolve_dtype
 
-    if dtype == "auto":
-        dtype = str(embedded.fast_dtype()).replace("torch.", "")
-    target, tokenizer = load_target(target_spec, dtype)
+    target, tokenizer = load_target(target_spec, resolve_dtype(dtype))
     if draft_spec is not None:
         draft = DSparkDraftModel.from_pretrained(draft_spec, dtype=target.dtype).attach(target)
     elif target_spec == "embedded" and embedded.has_shipped_draft():
@@ -207,10 +305,19 @@ def warm(target, tokenizer, draft: DSparkDraftModel) -> None:
     print(f"one-time costs: SPS profile and draft cost {how} in {profile_s:.1f} s, first calls {first_s:.1f} s")
 
 
+def serve(target: str = "embedded", draft: str | None = None, dtype: str = "auto", host: str = "127.0.0.1",
+          port: int = 7860) -> None:  # fmt: skip
+    """Load the pair, pay the one-time costs, and serve the page until interrupted."""
+    pair = load_pair(target, draft, dtype)
+    warm(*pair)
+    build_demo(*pair).queue().launch(server_name=host, server_port=port)
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m demo.app", description=__doc__)
-    ap.add_argument("--target", default="embedded")
-    ap.add_argument("--draft", default=None)
+    ap = argparse.ArgumentParser(prog="python -m demo.app", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--target", default="embedded", help="'embedded' (SmolLM2), a Hub id or a local folder")
+    ap.add_argument("--draft", default=None, help="a draft folder or Hub id (default: the shipped draft)")
     ap.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"],
                     help="auto (default): bfloat16 on CPUs with native bf16 units (faster verify; greedy may part at "
                     "near-ties of the logits, explained in the summary), else float32; float32: bit-identical to "
@@ -218,10 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=7860)
     args = ap.parse_args(argv)
-    target, tokenizer, draft = load_pair(args.target, args.draft, args.dtype)
-    warm(target, tokenizer, draft)
-    demo = build_demo(target, tokenizer, draft)
-    demo.queue().launch(server_name=args.host, server_port=args.port)
+    serve(args.target, args.draft, args.dtype, args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,21 @@
-"""Model cards for drafts: ``model_cards/dspark_draft.md`` rendered from a draft's config and its result files."""
+"""Model cards for drafts: ``model_cards/dspark_draft.md`` rendered from a draft's config and its result files.
+
+The template travels inside the package (installed as ``hf_dspark.model_cards``), so cards render from a wheel as
+from a checkout.
+"""
 
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 from string import Template
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "dspark_draft.md"
+TEMPLATE = resources.files("hf_dspark.model_cards") / "dspark_draft.md"
 
 
 def _template() -> str:
-    if not TEMPLATE.is_file():
-        raise FileNotFoundError(f"the model card template {TEMPLATE} is missing (cards need a source checkout)")
-    return TEMPLATE.read_text()
+    return TEMPLATE.read_text(encoding="utf-8")
 
 
 def _table(results: list[dict] | None, kind: str) -> str:

@@ -15,6 +15,13 @@ HONOURED_MODEL_KWARGS = {"attention_mask", "cache", "past_key_values", "use_cach
 
 def check_supported(generation_config: GenerationConfig, input_ids: torch.Tensor, model_kwargs: dict, streamer):
     R = input_ids.shape[0]
+    asked = [k for k in ("output_attentions", "output_hidden_states") if model_kwargs.get(k) or getattr(
+        generation_config, k, False)]  # fmt: skip
+    if asked:
+        raise ValueError(
+            f"DSpark generation does not return attentions or hidden states ({' and '.join(asked)}=True): the "
+            "target's forward passes verify several draft tokens at once, so there is no per-token step to report"
+        )
     unsupported = sorted(k for k, v in model_kwargs.items() if k not in HONOURED_MODEL_KWARGS and v is not None)
     if unsupported:
         raise ValueError(
@@ -23,8 +30,6 @@ def check_supported(generation_config: GenerationConfig, input_ids: torch.Tensor
         )
     if model_kwargs.get("use_cache") is False:
         raise ValueError("DSpark generation needs use_cache=True (a cache the verifier can crop).")
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError("DSpark generation does not return attentions or hidden states.")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("DSpark generation needs input_ids (inputs_embeds is not supported).")
     if R > 1 and streamer is not None:

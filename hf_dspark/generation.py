@@ -523,7 +523,7 @@ def dspark_decode(
     check_supported(generation_config, input_ids, model_kwargs, streamer)
     if synced_gpus:
         raise ValueError("DSpark generation does not support synced_gpus (ZeRO-3 / FSDP sharded generation).")
-    if not draft.is_attached or draft.target is not target:
+    if not draft.follows(target):  # first use, another target, or either moved to another dtype or device since
         draft.attach(target)
     cache, g, batch = cache_from(model_kwargs), generation_config, input_ids.shape[0]
     check_cache(cache, batch, g.max_length)

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .checkpoint_files import check_weight_files, checkpoint_folder, read_config
 from .compat import (
     is_deepspec_config,
     is_dflash_config,
@@ -28,6 +29,7 @@ from .compat import (
 )
 from .configuration_dspark import DSparkConfig
 from .heads import ConfidenceHead, build_sequential_head
+from .stats import DSparkStats
 
 
 class RMSNorm(nn.Module):
@@ -135,10 +137,6 @@ class _TargetRef:
         self.lm_head = target.get_output_embeddings()
 
 
-# from_pretrained's download options, honoured by the layout probe as transformers honours them
-HUB_DOWNLOAD_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
-
-
 class DSparkDraftModel(PreTrainedModel):
     """A DSpark draft: γ slots (anchor + γ-1 masks) in, base logits and hidden states for γ draft tokens out.
 
@@ -174,7 +172,7 @@ class DSparkDraftModel(PreTrainedModel):
             self.draft_vocab = None
         self._vocab_rows: dict | None = None  # name -> (key, value) of _cached, rebuilt on any change
         self._target: _TargetRef | None = None
-        self.stats = None  # filled by generate (hf_dspark.stats.DSparkStats)
+        self.stats = DSparkStats(num_draft_tokens=c.num_draft_tokens)  # the last finished generate call's
         self.sps_profile = None  # hf_dspark.scheduler.SPSProfile set by the user; overrides the measured ones
         self.head_enabled = True  # False: propose from the parallel backbone alone (demo toggle, ablations)
         self.post_init()
@@ -222,16 +220,40 @@ class DSparkDraftModel(PreTrainedModel):
     def attach(self, target: nn.Module) -> DSparkDraftModel:
         """Check ``target`` and borrow its embedding and LM head. Returns ``self``.
 
-        The draft follows the target's floating dtype: a draft stored in bfloat16 (as shipped drafts are) and
-        attached to a float32 target is cast to float32 here, since the two exchange hidden states every round.
+        The draft follows the target's floating dtype and device: a draft stored in bfloat16 (as shipped drafts are)
+        and attached to a float32 target is cast to float32 here, since the two exchange hidden states every round.
+        Every ``generate`` call checks this again (:meth:`follows`), so a target moved with ``target.to(...)`` after
+        attaching takes its draft along on the next call.
         """
         self.check_target(target)
-        dtype = target.get_input_embeddings().weight.dtype
-        if dtype.is_floating_point and self.dtype != dtype:
-            self.to(dtype)
+        weight = target.get_input_embeddings().weight
+        if weight.dtype.is_floating_point and self.dtype != weight.dtype:
+            self.to(weight.dtype)
+        if self.device != weight.device:
+            self.to(weight.device)
         self._target = _TargetRef(target)
         self._vocab_rows = None
         return self
+
+    def follows(self, target: nn.Module) -> bool:
+        """Whether this draft is attached to ``target`` and in its current floating dtype and on its device."""
+        if self._target is None or self._target.model is not target:
+            return False
+        weight = target.get_input_embeddings().weight
+        dtype_ok = not weight.dtype.is_floating_point or self.dtype == weight.dtype
+        return dtype_ok and self.device == weight.device
+
+    def __getattr__(self, name: str):
+        if name == "generation_config":  # what transformers' own assisted decoding reads first from an assistant
+            from .integration import is_enabled
+
+            why = "" if is_enabled() else " (hf_dspark.disable() turned that route off: hf_dspark.enable() turns it on)"
+            raise AttributeError(
+                "a DSparkDraftModel is not one of transformers' assistant models and has no generation_config: "
+                f"generate(assistant_model=draft) runs DSpark only through hf_dspark's route{why}; or call "
+                "target.generate(**inputs, custom_generate=hf_dspark.dspark_generate, draft=draft)"
+            )
+        return super().__getattr__(name)
 
     def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None) -> DSparkDraftModel:
         """Restrict proposals to ``token_ids`` (1-D, distinct target token ids; ``None``: the whole vocabulary).
@@ -525,32 +547,19 @@ class DSparkDraftModel(PreTrainedModel):
     def _foreign_layout(cls, name_or_path, kwargs: dict) -> DSparkDraftModel | None:
         """Load checkpoints written by other implementations (DeepSpec, z-lab DFlash); ``None`` for our own layout.
 
-        Raises ``ValueError`` for a config.json that is neither ours nor a layout we know."""
-        import json
-        from pathlib import Path
-
-        subfolder = kwargs.get("subfolder") or ""
-        folder = Path(name_or_path)
-        if not folder.is_dir():
-            from huggingface_hub import snapshot_download
-
-            hub = {k: kwargs[k] for k in HUB_DOWNLOAD_KWARGS if kwargs.get(k) is not None}
-            where = f"{subfolder}/" if subfolder else ""
-            patterns = [f"{where}*.json", f"{where}*.safetensors"]
-            folder = Path(snapshot_download(str(name_or_path), allow_patterns=patterns, **hub))
-        folder = folder / subfolder
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            return None  # let transformers report the missing file
-        raw = json.loads(config_file.read_text())
+        Raises ``FileNotFoundError`` naming the path or file for a missing folder, config.json or weights file, and
+        ``ValueError`` naming the file for a damaged one or a config.json that is neither ours nor a layout we know."""
+        folder = checkpoint_folder(name_or_path, kwargs)
+        raw = read_config(folder)
+        loaders = ((is_speculators_config, load_speculators), (is_deepspec_config, load_deepspec),
+                   (is_dflash_config, load_dflash))  # fmt: skip
         if raw.get("model_type") == "dspark":
+            check_weight_files(folder)
             return None
-        if is_speculators_config(raw):
-            return load_speculators(cls, folder, raw, dtype=kwargs.get("dtype"))
-        if is_deepspec_config(raw):
-            return load_deepspec(cls, folder, raw, dtype=kwargs.get("dtype"))
-        if is_dflash_config(raw):
-            return load_dflash(cls, folder, raw, dtype=kwargs.get("dtype"))
+        for matches, load in loaders:
+            if matches(raw):
+                check_weight_files(folder)
+                return load(cls, folder, raw, dtype=kwargs.get("dtype"))
         raise ValueError(
             f"{name_or_path}: unknown checkpoint layout (model_type={raw.get('model_type')!r}, "
             f"architectures={raw.get('architectures')}); expected a DSpark draft (model_type 'dspark'), "

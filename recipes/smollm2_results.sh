@@ -29,7 +29,7 @@ $PY -m hf_dspark.cli eval --dtype "$DTYPE" --draft "${DRAFTS[@]}" --datasets "${
     --limit "$LIMIT" --temperatures 0 --verify-mode fixed --out "$OUT"
 $PY -m hf_dspark.cli bench --dtype "$DTYPE" --draft "${DRAFTS[@]}" --datasets "${SETS[@]}" \
     --limit "$LIMIT" --gammas 8 --lookup 3 --out "$OUT"
-$PY -m hf_dspark.cli results --eval "$OUT/eval.json" --bench "$OUT/bench.json"
+$PY scripts/write_results.py --eval "$OUT/eval.json" --bench "$OUT/bench.json"
 cp "$OUT/eval.json" "$OUT/bench.json" "$DRAFT/"
 $PY -m hf_dspark.cli card --draft "$DRAFT" --name hf-dspark/smollm2-135m-instruct-dspark \
     --target-id HuggingFaceTB/SmolLM2-135M-Instruct

@@ -185,9 +185,32 @@ def test_export_refusals(tmp_path):
     with pytest.raises(ValueError, match="learned mask vector"):
         export_deepspec(DSparkDraftModel.from_target(qwen, block_size=4, head_rank=8), tmp_path)
     restricted = DSparkDraftModel.from_target(qwen, block_size=4, head_rank=8, mask_token_id=3).set_draft_vocab([1, 2])
-    with pytest.raises(ValueError, match=r"no draft vocabulary: call draft.set_draft_vocab\(None\)"):
+    with pytest.raises(ValueError, match=r"no draft vocabulary \(this draft proposes 2 tokens\): pass whole_vocab"):
         export_deepspec(restricted, tmp_path)
     assert not (tmp_path / "model.safetensors").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("head_vocab", ["full", "draft"])
+def test_deepspec_export_of_a_draft_vocabulary_draft_widens_it(tmp_path, head_vocab):
+    """``whole_vocab=True`` (what `hf-dspark export --format deepspec` passes) writes a draft-vocabulary draft as the
+    same draft over the whole vocabulary: it loads back equal, tensor for tensor, to ``set_draft_vocab(None)`` of the
+    original (W2's rows for the other tokens zero when it stored draft rows only), and decodes the target's output."""
+    target = tiny_target("qwen3", vocab_size=V, layers=4, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    draft = DSparkDraftModel.from_target(target, block_size=GAMMA, head_rank=R, mask_token_id=MASK)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_()
+    draft.set_draft_vocab(list(range(0, V, 3))).set_head_vocab(head_vocab)
+    export_deepspec(draft, tmp_path / "ds", whole_vocab=True)
+    loaded = DSparkDraftModel.from_pretrained(tmp_path / "ds")
+    draft.set_draft_vocab(None)
+    assert loaded.config.draft_vocab_size is None and loaded.config.head_vocab == "full"
+    expected, got = draft.state_dict(), loaded.state_dict()
+    assert sorted(expected) == sorted(got)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=loaded), plain)
 
 
 def test_unknown_layout_and_wrong_target(tmp_path):
@@ -224,6 +247,8 @@ def test_cli_export(tmp_path):
             str(tmp_path / "draft"),
             "--out",
             str(tmp_path / "ds"),
+            "--format",
+            "deepspec",
         ]
     )
     assert json.loads((tmp_path / "ds" / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]

@@ -93,7 +93,7 @@ def test_eval_refuses_a_draft_for_another_target(tmp_path):
     DSparkDraftModel.from_target(tiny_target("llama", hidden_size=48), block_size=4, head_rank=8).save_pretrained(
         tmp_path / "draft"
     )
-    with pytest.raises(ValueError, match="built for another target"):
+    with pytest.raises(SystemExit, match="hf-dspark eval: error: This DSpark draft was built for another target"):
         main(["eval", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--limit", "1"])
     DSparkDraftModel.from_target(target, block_size=4, head_rank=8).save_pretrained(tmp_path / "ok")
     with pytest.raises(SystemExit, match="two drafts are labelled 'a'"):
@@ -248,8 +248,16 @@ def test_tie_check_asks_a_float32_copy_too():
     assert not shorter.tie and shorter.index == 3
 
 
+def _write_results_main():
+    """``scripts/write_results.py``'s ``main`` (a maintainer script of the repository, not part of the package)."""
+    import runpy
+    from pathlib import Path
+
+    return runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "write_results.py"), run_name="script")["main"]
+
+
 def test_results_page_and_readme_summary_are_written_from_json(tmp_path):
-    from hf_dspark.cli import main
+    main = _write_results_main()
 
     ctx = {"machine": "x86_64 2 cores (Linux)", "threads": 2, "device": "cpu", "dtype": "float32", "date": "2026-11-29"}
     ev = [
@@ -274,7 +282,7 @@ def test_results_page_and_readme_summary_are_written_from_json(tmp_path):
     page, readme = tmp_path / "results.md", tmp_path / "README.md"
     page.write_text("# x\n\n## Results\n\n<!-- results:start -->\nold\n<!-- results:end -->\n\n## After\n")
     readme.write_text("# y\n\n## Results\n\n<!-- summary:start -->\nold\n<!-- summary:end -->\n\nFull tables.\n")
-    args = ["results", "--eval", str(tmp_path / "eval.json"), "--bench", str(tmp_path / "bench.json")]
+    args = ["--eval", str(tmp_path / "eval.json"), "--bench", str(tmp_path / "bench.json")]
     main([*args, "--out", str(page), "--readme", str(readme)])
     summary = readme.read_text()
     assert "old" not in summary and summary.endswith("<!-- summary:end -->\n\nFull tables.\n")
@@ -293,8 +301,9 @@ def test_results_merge_bench_runs_keeping_each_runs_baseline(tmp_path):
     """Two bench runs (e.g. a draft benchmarked later) in one table: every ratio stays against its own run's plain,
     the second run's baselines are shown and marked, eval runs concatenate, plots are written; runs over different
     prompt counts refuse to merge."""
-    from hf_dspark.cli import main
     from hf_dspark.evaluation.readme import merge_bench
+
+    main = _write_results_main()
 
     ctx = {"machine": "m", "threads": 2, "device": "cpu", "dtype": "bfloat16", "date": "2026-11-29"}
 
@@ -327,7 +336,6 @@ def test_results_merge_bench_runs_keeping_each_runs_baseline(tmp_path):
     readme.write_text("# x\n")
     main(
         [
-            "results",
             "--out",
             str(readme),
             "--readme",
@@ -356,3 +364,26 @@ def test_results_merge_bench_runs_keeping_each_runs_baseline(tmp_path):
     short = [{**run2[0], "prompts": 10}]
     with pytest.raises(ValueError, match="bench run 2 has no 'gsm8k' results with 30 prompts"):
         merge_bench([run1, short])
+
+
+def test_results_script_never_touches_the_current_folder_and_creates_its_page(tmp_path, monkeypatch):
+    """The results writer is a maintainer script: its defaults name this repository's files (found from the script,
+    not the current folder); run elsewhere it leaves that folder's README alone and creates a missing --out page.
+    The package's CLI has no `results` command."""
+    import json
+
+    from hf_dspark.cli import main as cli_main
+
+    main = _write_results_main()
+    ctx = {"machine": "m", "threads": 2, "device": "cpu", "dtype": "float32", "date": "2026-12-04"}
+    methods = [{"method": "plain", "median_tok_per_s": 10.0, "tok_per_s": 10.0, "speedup": 1.0, "tau": None}]
+    (tmp_path / "bench.json").write_text(json.dumps([{"dataset": "gsm8k", "prompts": 3, **ctx, "methods": methods}]))
+    (tmp_path / "README.md").write_text("# someone else's project\n")
+    monkeypatch.chdir(tmp_path)
+    main(["--bench", "bench.json", "--out", "new/results.md", "--readme", "none"])
+    assert (tmp_path / "README.md").read_text() == "# someone else's project\n"
+    page = (tmp_path / "new" / "results.md").read_text()
+    assert page.startswith("## Results\n\n<!-- results:start -->\n") and "| gsm8k | plain | 10.0 |" in page
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["results", "--bench", "bench.json"])
+    assert exit_info.value.code == 2

@@ -140,11 +140,14 @@ def load_deepspec(model_class, folder: str | Path, raw: dict, dtype: torch.dtype
     return load_mapped(model_class, folder, config_from_deepspec(raw), rename_keys(theirs, _RENAMES), "DeepSpec", dtype)
 
 
-def export_deepspec(draft, folder: str | Path, num_anchors: int = 512) -> Path:
+def export_deepspec(draft, folder: str | Path, num_anchors: int = 512, whole_vocab: bool = False) -> Path:
     """Write ``draft`` in DeepSpec's layout (config.json + model.safetensors) so DeepSpec-compatible engines load it.
 
     Needs a Qwen3-style draft (per-head q/k norms), a ``mask_token_id`` (DeepSpec embeds mask slots with a token of
     the vocabulary) and an attached target (its embedding and LM head are part of DeepSpec's checkpoint).
+    DeepSpec's layout has no draft vocabulary: a draft with one is refused unless ``whole_vocab``, which writes it
+    proposing over the whole vocabulary (the sequential head's rows for the other tokens are zero). Its output
+    stays the target's; its acceptance may differ slightly from the draft-vocabulary draft's.
     """
     c = draft.config
     if not c.qk_norm:
@@ -153,19 +156,25 @@ def export_deepspec(draft, folder: str | Path, num_anchors: int = 512) -> Path:
         raise ValueError("DeepSpec embeds mask slots with a vocabulary token: this draft uses a learned mask vector")
     if c.head_type == "rnn":
         raise ValueError("exporting the RNN head to DeepSpec's layout is not supported")
-    if c.draft_vocab_size is not None:
+    if c.draft_vocab_size is not None and not whole_vocab:
         raise ValueError(
-            "DeepSpec's layout has no draft vocabulary: call draft.set_draft_vocab(None) first to export the "
-            "whole-vocabulary draft"
+            f"DeepSpec's layout has no draft vocabulary (this draft proposes {c.draft_vocab_size} tokens): pass "
+            "whole_vocab=True to export it proposing over the whole vocabulary, or export it with "
+            "export_speculators, whose layout keeps the draft vocabulary"
         )
     if not draft.is_attached:
         raise ValueError("attach the draft to its target first: DeepSpec checkpoints carry embed_tokens and lm_head")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     ours_to_theirs = [(new, old) for old, new in _RENAMES]
-    weights = {k: v.detach().contiguous().cpu() for k, v in rename_keys(draft.state_dict(), ours_to_theirs).items()}
+    state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab"}
+    if draft.sequential_head is not None:  # a head storing draft-vocabulary rows writes them over the whole vocabulary
+        state["sequential_head.markov_w2.weight"] = draft._full_head_weight()
+    weights = {k: v.detach().contiguous().cpu() for k, v in rename_keys(state, ours_to_theirs).items()}
     weights["embed_tokens.weight"] = draft._target.embed_tokens.weight.detach().cpu().contiguous()
-    weights["lm_head.weight"] = draft._target.lm_head.weight.detach().cpu().contiguous()
+    # a copy: targets that tie their LM head to the embedding (SmolLM2) would otherwise hand safetensors one tensor
+    # under two names, which it refuses to write
+    weights["lm_head.weight"] = draft._target.lm_head.weight.detach().cpu().contiguous().clone()
     kind = {"none": None, "markov": "vanilla", "gated": "gated"}[c.head_type]
     raw = {
         "architectures": [ARCHITECTURE],

@@ -19,6 +19,7 @@ field there: they are written beside the config (``hf_dspark.json``) and read ba
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -149,7 +150,15 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
         weights["t2d"] = t2d
         weights["lm_head.weight"] = draft._target.lm_head.weight.detach()[ids.to(draft.device)].cpu().contiguous()
     kind = "dflash" if c.head_type == "none" and not c.confidence_head else "dspark"
-    name = verifier or (getattr(draft.target.config, "name_or_path", None) if draft.is_attached else None)
+    name = verifier or (verifier_id(draft.target) if draft.is_attached else None)
+    if name is None or _is_local_path(name):
+        warnings.warn(
+            f"the exported config names the verifier {name!r}, "
+            + ("which is a path on this machine" if name else "nothing")
+            + ": a serving engine elsewhere cannot load it; pass verifier='<the target's Hub id>' (hf-dspark export "
+            "--verifier ORG/NAME)",
+            stacklevel=2,
+        )
     layer = {
         "model_type": c.target_model_type or "qwen3",
         "vocab_size": vocab_size,
@@ -208,6 +217,18 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
               "target_num_layers": c.target_num_layers}  # fmt: skip
     (folder / EXTRAS).write_text(json.dumps(extras, indent=2) + "\n")
     return folder
+
+
+def verifier_id(target) -> str | None:
+    """The name a serving engine loads ``target`` by: its Hub id (for the embedded GGUF target, the Hub model the
+    GGUF was converted from), else the ``name_or_path`` it was loaded from (possibly a local path)."""
+    from ..embedded import hub_id
+
+    return hub_id(target) or getattr(target.config, "name_or_path", None) or None
+
+
+def _is_local_path(name: str) -> bool:
+    return Path(name).expanduser().exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
 def _architectures(draft) -> list[str]:

@@ -83,15 +83,17 @@ def _prompt_counts(results: list[dict]) -> str:
 
 def replace_block(readme: str | Path, name: str, body: str, heading: str = "## Results") -> None:
     """Put ``body`` between the ``<!-- name:start -->`` / ``<!-- name:end -->`` markers of ``readme``; when the
-    markers are absent, append them (under ``heading``) at the end. Written atomically."""
+    markers are absent, append them (under ``heading``) at the end; a missing file is created (with its folder).
+    Written atomically."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     path = Path(readme)
-    text = path.read_text()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text() if path.is_file() else ""
     block = f"{start}\n{body}\n{end}"
     if start in text and end in text:
         text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
     else:
-        text = text.rstrip("\n") + f"\n\n{heading}\n\n{block}\n"
+        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + f"{heading}\n\n{block}\n"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
