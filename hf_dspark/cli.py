@@ -279,6 +279,7 @@ def cmd_bench(args) -> None:
 
 def cmd_export(args) -> None:
     from .compat import export_deepspec, export_speculators
+    from .embedded import hub_id
     from .modeling_dspark import DSparkDraftModel
 
     folder = check_draft(args.draft)
@@ -289,7 +290,7 @@ def cmd_export(args) -> None:
     if args.format == "speculators":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = export_speculators(draft, args.out, verifier=args.verifier)
+            out = export_speculators(draft, args.out, verifier=args.verifier or hub_id(target))
         for w in caught:
             if "verifier" in str(w.message):
                 print(f"warning: {w.message}", file=sys.stderr)
@@ -540,14 +541,19 @@ def main(argv: list[str] | None = None) -> None:
     """Run a command. An error ends it with one line, ``hf-dspark COMMAND: error: ...`` (exit status 1), unless
     ``--debug``, which lets the exception through with its traceback."""
     args = build_parser().parse_args(argv)
+    prefix = f"hf-dspark {args.command}: error: "
     try:
         args.func(args)
-    except (KeyboardInterrupt, SystemExit):
+    except SystemExit as e:  # a command's own refusal: the same one-line form
+        if isinstance(e.code, str) and not e.code.startswith(prefix):
+            raise SystemExit(prefix + e.code) from None
+        raise
+    except KeyboardInterrupt:
         raise
     except Exception as e:
         if args.debug:
             raise
-        raise SystemExit(f"hf-dspark {args.command}: error: {_one_line(e)} (--debug shows the traceback)") from None
+        raise SystemExit(f"{prefix}{_one_line(e)} (--debug shows the traceback)") from None
 
 
 if __name__ == "__main__":

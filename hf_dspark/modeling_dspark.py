@@ -245,12 +245,10 @@ class DSparkDraftModel(PreTrainedModel):
 
     def __getattr__(self, name: str):
         if name == "generation_config":  # what transformers' own assisted decoding reads first from an assistant
-            from .integration import is_enabled
-
-            why = "" if is_enabled() else " (hf_dspark.disable() turned that route off: hf_dspark.enable() turns it on)"
             raise AttributeError(
                 "a DSparkDraftModel is not one of transformers' assistant models and has no generation_config: "
-                f"generate(assistant_model=draft) runs DSpark only through hf_dspark's route{why}; or call "
+                "generate(assistant_model=draft) runs DSpark only while hf_dspark's route is on (`import hf_dspark` "
+                "turns it on, hf_dspark.disable() off, hf_dspark.enable() on again); or call "
                 "target.generate(**inputs, custom_generate=hf_dspark.dspark_generate, draft=draft)"
             )
         return super().__getattr__(name)

@@ -1,9 +1,10 @@
 """Retake docs/demo.png: the demo on the embedded default, one prompt, in headless Chromium.
 
-    PYTHONPATH=. python scripts/demo_screenshot.py [--prompt TEXT] [--out docs/demo.png] [--dtype auto]
+    python scripts/demo_screenshot.py [--example N] [--out docs/demo.png] [--dtype auto]
 
-The page's defaults are used (greedy, 128 new tokens, the draft's block size, scheduled verification); the one-time
-costs are paid before the request, as `python -m demo.app` does.
+The page's defaults are used (greedy, 128 new tokens, the draft's block size, scheduled verification with lookup
+drafting); the prompt is picked from the page's examples by clicking it, as a visitor would; the one-time costs
+are paid before the request, as `hf-dspark demo` does.
 """
 
 import argparse
@@ -11,7 +12,7 @@ import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from demo.app import build_demo, load_pair, warm
+from hf_dspark.demo.app import EXAMPLES, build_demo, load_pair, warm
 
 FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost"]  # fmt: skip
@@ -19,7 +20,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-backgroun
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
+    ap.add_argument("--example", type=int, default=0, help="which of the page's example prompts to click")
     ap.add_argument("--out", default="docs/demo.png")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = ap.parse_args()
@@ -34,7 +35,8 @@ def main() -> None:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=FLAGS)
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto(demo.local_url)
-            page.locator("#prompt textarea").fill(args.prompt)
+            page.get_by_text(EXAMPLES[args.example][:40]).first.click()
+            page.wait_for_function("document.querySelector('#prompt textarea').value.length > 0", timeout=30_000)
             page.locator("#generate").click()
             page.wait_for_function(
                 "document.querySelector('#stats') && document.querySelector('#stats').innerText.includes('speedup')",

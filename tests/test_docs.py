@@ -66,3 +66,19 @@ def test_docstrings_cite_pages_that_exist():
     assert cited and all((ROOT / page).is_file() for page in cited)
     source = "\n".join(p.read_text() for p in (ROOT / "hf_dspark").rglob("*.py"))
     assert "DSPARK" + ".md" not in source  # the paper's notes are not in this repository
+
+
+def test_the_readme_use_snippet_runs_as_written(capsys):
+    """The first Python block under "## Use" runs as a newcomer would paste it (the embedded target and the shipped
+    draft, offline), and its greedy output is plain greedy's, token for token (float32 here)."""
+    text = (ROOT / "README.md").read_text()
+    use = text.split("\n## Use\n", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", use, flags=re.S).group(1)
+    namespace: dict = {}
+    exec(compile(snippet, "README.md (Use)", "exec"), namespace)
+    printed = capsys.readouterr().out.strip().splitlines()
+    target, inputs, out, draft = (namespace[k] for k in ("target", "inputs", "out", "draft"))
+    assert target.dtype == draft.dtype
+    assert out.tolist() == target.generate(**inputs, max_new_tokens=64, do_sample=False).tolist()
+    assert printed[0].strip() and draft.stats.rounds > 0 and draft.stats.tau >= 1.0
+    assert printed[-1].startswith(f"{draft.stats.tau} [")

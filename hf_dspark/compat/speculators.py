@@ -113,8 +113,8 @@ def load_speculators(model_class, folder: str | Path, raw: dict, dtype: torch.dt
 
 def export_speculators(draft, folder: str | Path, verifier: str | None = None) -> Path:
     """Write ``draft`` in the ``speculators`` layout (config.json, model.safetensors, hf_dspark.json) so that
-    speculators' own classes, and vLLM, load it. ``verifier``: the target's Hub id or path, recorded for the
-    serving engine (default: the attached target's ``name_or_path``).
+    speculators' own classes, and vLLM, load it. ``verifier``: the target's Hub id, recorded for the serving engine
+    (default: the attached target's ``name_or_path``, with a warning when that is a path on this machine).
 
     Needs a Qwen3-style draft (``qk_norm=True``), a ``mask_token_id``, a draft as wide as its target, and an
     attached target when the draft has a draft vocabulary (the reduced ``lm_head`` is part of the checkpoint).
@@ -150,7 +150,7 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
         weights["t2d"] = t2d
         weights["lm_head.weight"] = draft._target.lm_head.weight.detach()[ids.to(draft.device)].cpu().contiguous()
     kind = "dflash" if c.head_type == "none" and not c.confidence_head else "dspark"
-    name = verifier or (verifier_id(draft.target) if draft.is_attached else None)
+    name = verifier or (getattr(draft.target.config, "name_or_path", None) or None if draft.is_attached else None)
     if name is None or _is_local_path(name):
         warnings.warn(
             f"the exported config names the verifier {name!r}, "
@@ -217,14 +217,6 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
               "target_num_layers": c.target_num_layers}  # fmt: skip
     (folder / EXTRAS).write_text(json.dumps(extras, indent=2) + "\n")
     return folder
-
-
-def verifier_id(target) -> str | None:
-    """The name a serving engine loads ``target`` by: its Hub id (for the embedded GGUF target, the Hub model the
-    GGUF was converted from), else the ``name_or_path`` it was loaded from (possibly a local path)."""
-    from ..embedded import hub_id
-
-    return hub_id(target) or getattr(target.config, "name_or_path", None) or None
 
 
 def _is_local_path(name: str) -> bool:
