@@ -92,7 +92,9 @@ def legend_html() -> str:
         f'<span style="background:{colour};padding:0 .4em;margin-right:1em">{html.escape(text)}</span>'
         for text, colour in LEGEND
     )
-    return f'<div id="legend" style="font-size:.9em">{chips}</div>'
+    # the plain pane in the same monospace as DSpark's, so the two outputs line up for the eye
+    style = "<style>#plain textarea{font-family:monospace}</style>"
+    return f'{style}<div id="legend" style="font-size:.9em">{chips}</div>'
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
