@@ -4,6 +4,7 @@ demo, the shipped draft), and Triton must be a Linux-only requirement (the PyTor
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -35,9 +36,18 @@ def installed(tmp_path_factory):
     The fresh environment sees this environment's dependencies through a path entry (not its .pth files, so the
     checkout's editable install stays out of it) and has the wheel installed on its own."""
     base = tmp_path_factory.mktemp("wheel")
+    # build from a copy of the files a clone has (tracked, or new and not ignored): the build writes its own
+    # build/ and egg-info beside the sources, and must neither litter the checkout nor pick up stale files there
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")  # fmt: skip
+    source = base / "source"
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     dist = base / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                    str(ROOT)], check=True, cwd=base, timeout=600)  # fmt: skip
+                    str(source)], check=True, cwd=base, timeout=600)  # fmt: skip
     wheel = next(dist.glob("hf_dspark-*.whl"))
     env_dir = base / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
