@@ -68,6 +68,7 @@ def run(installed, *argv, timeout=600):
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     result = subprocess.run(list(argv), cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{argv} failed:\n{result.stdout}\n{result.stderr}"
+    run.stderr = result.stderr  # the last command's, for the notes and warnings a test reads
     return result.stdout
 
 
@@ -120,5 +121,12 @@ draft.to(torch.bfloat16).save_pretrained({str(models / "draft")!r})
         if fmt == "speculators":
             assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-qwen3"
             assert config["draft_vocab_size"] == 48
+            assert "warning" not in run.stderr
+        else:  # DeepSpec's layout has no draft vocabulary: said, not refused
+            assert "note: DeepSpec's layout has no draft vocabulary" in run.stderr
+    # without --verifier the local target folder is all it can record: written, with a warning naming the remedy
+    run(installed, "hf-dspark", "export", "--draft", str(models / "draft"), *target, "--out", str(models / "local"))
+    assert f"warning: the exported config names the verifier '{models / 'target'}', which is a path" in run.stderr
+    assert "--verifier ORG/NAME" in run.stderr
     assert "decoded " + str(python.parents[1]) in run(installed, str(python), "-c", DECODE)
     assert sorted(p.name for p in work.iterdir()) == []  # nothing written into the folder it ran from
