@@ -175,6 +175,24 @@ def test_regenerate_into_shards_resumes_where_it_stopped(tmp_path):
         regenerate(target, tokenizer, prompts, out, **kw)
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_regenerate_with_a_draft_writes_the_same_greedy_answers(tmp_path, batch_size):
+    """``draft=``: answers decoded by DSpark (batched, left-padded) are the plain answers, row for row."""
+    from hf_dspark import DSparkDraftModel
+    from hf_dspark.training.data import Prompt
+
+    target, tokenizer = tiny_target(vocab_size=96), char_tokenizer()
+    torch.manual_seed(0)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    prompts = [Prompt(f"p:{i}", "p", [{"role": "user", "content": f"question {'x' * i}?"}]) for i in range(5)]
+    kw = dict(max_new_tokens=10, batch_size=batch_size, do_sample=False, progress=False)
+    regenerate(target, tokenizer, prompts, tmp_path / "plain.jsonl", **kw)
+    regenerate(target, tokenizer, prompts, tmp_path / "dspark.jsonl", draft=draft, **kw)
+    plain, dspark = load_dataset(tmp_path / "plain.jsonl"), load_dataset(tmp_path / "dspark.jsonl")
+    assert sorted(plain, key=lambda r: r["id"]) == sorted(dspark, key=lambda r: r["id"])
+    assert draft.stats.rounds > 0  # the draft did the decoding
+
+
 def test_function_prompts_keep_the_signature_and_imports_and_drop_the_solution():
     sys.path.insert(0, str(ROOT / "scripts"))
     try:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..checkpoint_files import looks_like_path
 from ..configuration_dspark import DSparkConfig
 from .deepspec import TARGET_COPIES, load_mapped, read_weights, rename_keys
 
@@ -150,8 +151,8 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
         weights["t2d"] = t2d
         weights["lm_head.weight"] = draft._target.lm_head.weight.detach()[ids.to(draft.device)].cpu().contiguous()
     kind = "dflash" if c.head_type == "none" and not c.confidence_head else "dspark"
-    name = verifier or (getattr(draft.target.config, "name_or_path", None) or None if draft.is_attached else None)
-    if name is None or _is_local_path(name):
+    name = verifier or (getattr(draft.target.config, "name_or_path", None) if draft.is_attached else None) or None
+    if name is None or Path(name).expanduser().exists() or looks_like_path(name):
         warnings.warn(
             f"the exported config names the verifier {name!r}, "
             + ("which is a path on this machine" if name else "nothing")
@@ -217,10 +218,6 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
               "target_num_layers": c.target_num_layers}  # fmt: skip
     (folder / EXTRAS).write_text(json.dumps(extras, indent=2) + "\n")
     return folder
-
-
-def _is_local_path(name: str) -> bool:
-    return Path(name).expanduser().exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
 def _architectures(draft) -> list[str]:

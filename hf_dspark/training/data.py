@@ -196,8 +196,12 @@ def regenerate(
     top_p: float = 0.8,
     top_k: int = 20,
     progress: bool = True,
+    draft=None,
 ) -> Path:
     """Answer each prompt with the target (chat template applied, left-padded batches) and append to ``out_path``.
+
+    ``draft``: a :class:`~hf_dspark.DSparkDraftModel` for the target, to answer with DSpark decoding (lossless:
+    greedy answers are the same tokens, sampled answers the same distribution); ``None``: plain ``generate``.
 
     ``out_path`` is a JSONL file, or a folder (an existing one, or a path without a suffix) kept as append-only
     shards of ``shard_rows`` rows each (see the module docstring). Defaults follow the paper's data recipe
@@ -225,6 +229,11 @@ def regenerate(
             todo.append((p, ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
+    dspark = {}
+    if draft is not None:
+        from ..integration import dspark_generate
+
+        dspark = {"custom_generate": dspark_generate, "draft": draft}
     bar = tqdm(total=len(todo), disable=not progress, desc="regenerate", unit="prompt")
     for chunk in _batches(todo, batch_size * 4):
         chunk.sort(key=lambda t: len(t[1]))  # similar lengths per batch: less padding
@@ -240,6 +249,7 @@ def regenerate(
                 top_p=top_p if do_sample else None,
                 top_k=top_k if do_sample else None,
                 pad_token_id=pad,
+                **dspark,
             )[:, width:]
             with append_to.open("a") as f:
                 for (p, ids), row in zip(batch, out.tolist(), strict=True):
