@@ -2,9 +2,9 @@
 
     python benchmarks/regeneration_rate.py [--prompts 24] [--max-new-tokens 256] [--dtype auto] [--threads 2]
 
-The prompts are the first of the recipe's own training mix that the committed answers have not reached yet (so
-they are training prompts, never evaluation ones); every way answers them with the recipe's sampling settings
-(T = 0.7, top-p 0.8, top-k 20) into a throwaway folder through ``hf_dspark.training.data.regenerate``, the code path
+The prompts are the first of the recipe's own training mix (math, code and chat: training prompts, never
+evaluation ones); every way answers them with the recipe's sampling settings (T = 0.7, top-p 0.8, top-k 20) into
+a throwaway folder through ``hf_dspark.training.data.regenerate``, the code path
 the recipe runs. DSpark decodes with the shipped draft as shipped (scheduled verify, lookup drafting); sampled
 DSpark answers follow the target's distribution exactly, so the rows are as good for training as plain ones.
 Each way runs alone, one after the other, after one warm-up call; answers differ in length, so the table reports
@@ -30,14 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "regeneration"
 
 
-def unanswered_prompts(count: int) -> list:
-    """The first ``count`` prompts of the recipe's order that the committed answer shards do not hold."""
+def recipe_prompts(count: int) -> list:
+    """The first ``count`` prompts of the recipe's answer order (its shuffled math / code / chat mix)."""
     import runpy
 
     recipe = runpy.run_path(str(ROOT / "recipes" / "smollm2_prepare.py"), run_name="recipe")
-    answers = ROOT / "data" / "train" / "answers-smollm2"
-    done = {row["id"] for row in load_dataset(answers)} if answers.is_dir() else set()
-    return [p for p in recipe["recipe_prompts"]() if p.id not in done][:count]
+    return recipe["recipe_prompts"]()[:count]
 
 
 def main() -> None:
@@ -52,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = embedded.fast_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
     target, tokenizer, draft = embedded.load(dtype)
-    prompts = unanswered_prompts(args.prompts)
+    prompts = recipe_prompts(args.prompts)
     for rows in sorted(set(args.batch_sizes)):
         measure_sps(draft, rows, draft.config.num_draft_tokens)  # the scheduler's one-time costs, paid up front
     sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
@@ -81,8 +79,8 @@ def main() -> None:
     base = {r["batch_size"]: r for r in results if r["way"] == "plain"}
     lines = [
         f"Measured {context['date']} on {context['machine']}, {context['threads']} threads, {context['dtype']}, "
-        f"{len(prompts)} training prompts not yet answered, up to {args.max_new_tokens} answer tokens, sampled "
-        f"({context['sampling']}).",
+        f"the first {len(prompts)} prompts of the recipe's training mix, up to {args.max_new_tokens} answer tokens, "
+        f"sampled ({context['sampling']}).",
         "",
         "| way | batch | rows/hour | answer tok/s | vs plain at the recipe's batch | τ (last batch) |",
         "|---|---|---|---|---|---|",
