@@ -123,9 +123,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
         with pairs_lock:
             if precision not in pairs:
                 target32, draft32 = float32_pair(target, draft)
-                warm_up(target32, draft32, tokenizer.apply_chat_template(
-                    [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt"
-                )["input_ids"])  # fmt: skip
+                warm(target32, tokenizer, draft32)
                 pairs[precision] = (target32, draft32)
             return pairs[precision]
 
@@ -285,9 +283,9 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
 def load_pair(target_spec: str, draft_spec: str | None, dtype: str = "auto"):
     """(target, tokenizer, draft): the embedded default, or folders/Hub ids; ``dtype`` as in ``--dtype``."""
     from hf_dspark import embedded
-    from hf_dspark.cli import load_target, resolve_dtype
+    from hf_dspark.cli import load_target
 
-    target, tokenizer = load_target(target_spec, resolve_dtype(dtype))
+    target, tokenizer = load_target(target_spec, dtype)
     if draft_spec is not None:
         draft = DSparkDraftModel.from_pretrained(draft_spec, dtype=target.dtype).attach(target)
     elif target_spec == "embedded" and embedded.has_shipped_draft():
