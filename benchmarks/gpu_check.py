@@ -169,15 +169,21 @@ def main(argv: list[str] | None = None) -> dict:
         "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()})", "shape": shape,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
+
+    def section(name: str, result: dict) -> None:
+        # printed as it finishes: a call cut short by its time limit still shows what ran
+        report[name] = result
+        print(json.dumps({name: result}, default=str), flush=True)
+
     if cuda:
         from kernels_gpu import kernel_checks
 
-        report["kernels"] = {"steps": kernel_checks()}
+        section("kernels", {"steps": kernel_checks()})
     else:
-        report["kernels"] = skipped("no CUDA device: Triton kernels run compiled only on a GPU")
-    report["decode_float32"] = decode_check(shape, device, torch.float32, args.prompts, args.max_new_tokens)
-    report["decode_bfloat16"] = decode_check(shape, device, torch.bfloat16, args.prompts, args.max_new_tokens)
-    report["costs"] = cost_check(shape, device, args.max_new_tokens)
+        section("kernels", skipped("no CUDA device: Triton kernels run compiled only on a GPU"))
+    section("decode_float32", decode_check(shape, device, torch.float32, args.prompts, args.max_new_tokens))
+    section("decode_bfloat16", decode_check(shape, device, torch.bfloat16, args.prompts, args.max_new_tokens))
+    section("costs", cost_check(shape, device, args.max_new_tokens))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     summary = markdown(report)

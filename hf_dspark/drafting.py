@@ -230,7 +230,7 @@ def draft_block(
     if not bool(context.valid.all()):
         mask = torch.cat([context.valid, torch.ones(R, block_size, dtype=torch.bool, device=device)], dim=1)
         mask = mask[:, None, :].expand(R, block_size, -1)
-    step = _kernel_slot if use_kernels(draft, device, logits_processor) else _torch_slot
+    step = _kernel_slot if use_kernels(draft, device, logits_processor, R) else _torch_slot
     # greedy with no logits processors and a draft vocabulary: choose tokens inside the subset, never building
     # [R, V] logits (the head's bias and the argmax then cover len(draft_vocab) columns instead of V)
     subset = step is _torch_slot and not do_sample and not logits_processor and draft.draft_vocab is not None

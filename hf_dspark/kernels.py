@@ -1,7 +1,7 @@
 """Dispatch between the Triton head kernels (``dspark_heads``, from ``kernels/``) and the PyTorch path.
 
-``HF_DSPARK_KERNELS`` chooses: ``auto`` (default: Triton for CUDA tensors, PyTorch elsewhere), ``triton`` (force
-the kernels, e.g. on CPU under ``TRITON_INTERPRET=1``), ``torch`` (never use them). The fused step serves the
+``HF_DSPARK_KERNELS`` chooses: ``auto`` (default: Triton for CUDA tensors of at most ``AUTO_MAX_ROWS`` rows, PyTorch
+elsewhere), ``triton`` (force the kernels, e.g. on CPU under ``TRITON_INTERPRET=1``), ``torch`` (never use them). The fused step serves the
 Markov and RNN heads when the logits processing is at most a temperature (top-k/top-p and other processors run
 on the PyTorch path).
 """
@@ -16,6 +16,11 @@ from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 from .heads import MarkovHead, RNNHead
 
 BACKENDS = ("auto", "triton", "torch")
+# The fused step reads W2 once per row, the PyTorch path once per step. On an H200 (2026-12-04, bf16, r = 256;
+# benchmarks/results/gpu_check) the kernel took 0.15 / 0.59 ms at R = 1 / 32 and V = 151,936 against the
+# reference's 0.44 / 0.46 ms, and 0.11 / 0.27 / 0.71 ms at R = 1 / 32 / 128 and V = 49,152 against 0.42 / 0.39 /
+# 0.44 ms: it wins up to R ≈ 22 (V = 151,936) and ≈ 58 (V = 49,152), so auto keeps it for 16 rows or fewer.
+AUTO_MAX_ROWS = 16
 
 
 def backend() -> str:
@@ -35,10 +40,10 @@ def fused_temperature(logits_processor: LogitsProcessorList | None) -> float | N
     return None
 
 
-def use_kernels(draft, device: torch.device, logits_processor) -> bool:
-    """Whether draft_block should run the fused Triton step for this call."""
+def use_kernels(draft, device: torch.device, logits_processor, rows: int = 1) -> bool:
+    """Whether draft_block should run the fused Triton step for this call of ``rows`` batch rows."""
     choice = backend()
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+    if choice == "torch" or (choice == "auto" and (device.type != "cuda" or rows > AUTO_MAX_ROWS)):
         return False
     head = draft.sequential_head
     if not draft.head_enabled or type(head) not in (MarkovHead, RNNHead) or fused_temperature(logits_processor) is None:

@@ -146,7 +146,7 @@ def regenerate_for(target, tokenizer, prompts, done: set[str], out: Path, plan: 
     ``plan.regen_seconds`` have passed; rows go to ``out`` (JSONL), and are returned."""
     todo = [p for p in prompts if p.id not in done]
     start = time.time()
-    step = plan.regen_batch * 2
+    step = plan.regen_batch  # the clock is read between calls: one batch at a time overruns by one batch at most
     for i in range(0, len(todo), step):
         if time.time() - start > plan.regen_seconds:
             break
@@ -236,7 +236,7 @@ def cmd_pack(args) -> None:
 
 def cmd_run(args) -> None:
     started = time.time()
-    plan = replace(OneShotPlan(), seconds=args.seconds)
+    plan = replace(OneShotPlan(), seconds=args.seconds, regen_seconds=args.regen_seconds, regen_batch=args.regen_batch)
     workdir = Path(tempfile.mkdtemp())
     gguf = join(args.parts_dir, workdir)
     for wheel in sorted(args.parts_dir.glob("part-*/*.whl")):  # pure-Python readers import from the wheel itself
@@ -276,6 +276,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--parts-dir", type=Path, default=PARTS)
     p.add_argument("--seconds", type=float, default=OneShotPlan.seconds)
+    p.add_argument("--regen-seconds", type=float, default=OneShotPlan.regen_seconds)
+    p.add_argument("--regen-batch", type=int, default=OneShotPlan.regen_batch)
     p = sub.add_parser("unpack")
     p.add_argument("files", type=Path)
     p.add_argument("--run", default="run-oneshot-gpu")

@@ -189,3 +189,20 @@ def test_rank_and_hidden_larger_than_one_chunk():
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_backend_keeps_the_kernel_for_few_rows(monkeypatch):
+    """auto: CUDA tensors of at most AUTO_MAX_ROWS rows take the fused step (it reads W2 once per row, so more rows
+    are faster on the PyTorch path); a forced backend ignores the row count; CPU tensors never take it under auto."""
+    from hf_dspark.kernels import AUTO_MAX_ROWS, use_kernels
+
+    draft = DSparkDraftModel.from_target(tiny_target(), block_size=4, num_draft_layers=1, head_rank=8)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setenv("HF_DSPARK_KERNELS", "auto")
+    assert use_kernels(draft, cuda, None, rows=1) and use_kernels(draft, cuda, None, rows=AUTO_MAX_ROWS)
+    assert not use_kernels(draft, cuda, None, rows=AUTO_MAX_ROWS + 1)
+    assert not use_kernels(draft, cpu, None, rows=1)
+    monkeypatch.setenv("HF_DSPARK_KERNELS", "triton")
+    assert use_kernels(draft, cpu, None, rows=AUTO_MAX_ROWS + 1)
+    monkeypatch.setenv("HF_DSPARK_KERNELS", "torch")
+    assert not use_kernels(draft, cuda, None, rows=1)

@@ -239,6 +239,7 @@ def regenerate(
         chunk.sort(key=lambda t: len(t[1]))  # similar lengths per batch: less padding
         for batch in _batches(chunk, batch_size):
             input_ids, mask = left_pad([ids for _, ids in batch], pad)
+            input_ids, mask = input_ids.to(target.device), mask.to(target.device)
             width = input_ids.shape[1]
             out = target.generate(
                 input_ids=input_ids,
