@@ -1,9 +1,9 @@
 """Dispatch between the Triton head kernels (``dspark_heads``, from ``kernels/``) and the PyTorch path.
 
 ``HF_DSPARK_KERNELS`` chooses: ``auto`` (default: Triton for CUDA tensors of at most ``AUTO_MAX_ROWS`` rows, PyTorch
-elsewhere), ``triton`` (force the kernels, e.g. on CPU under ``TRITON_INTERPRET=1``), ``torch`` (never use them). The fused step serves the
-Markov and RNN heads when the logits processing is at most a temperature (top-k/top-p and other processors run
-on the PyTorch path).
+elsewhere), ``triton`` (force the kernels, e.g. on CPU under ``TRITON_INTERPRET=1``), ``torch`` (never use them).
+The fused step serves the Markov and RNN heads when the logits processing is at most a temperature (top-k/top-p
+and other processors run on the PyTorch path).
 """
 
 from __future__ import annotations
