@@ -8,6 +8,7 @@ HEAD_TYPES = ("none", "markov", "gated", "rnn")
 HEAD_VOCABS = ("full", "draft")
 VERIFY_MODES = ("auto", "fixed", "threshold", "scheduled", "async")
 VERIFY_LAYOUTS = ("padded", "packed")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class DSparkConfig(PretrainedConfig):
@@ -18,6 +19,11 @@ class DSparkConfig(PretrainedConfig):
         num_draft_layers, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
         rms_norm_eps, rope_theta, max_position_embeddings, qk_norm (Qwen3-style per-head q/k RMSNorm),
         attention_bias: one draft decoder layer's shape. ``hidden_size`` equals the target's (shared LM head).
+        layer_types: per draft layer, ``full_attention`` (sees all the context; the default) or
+            ``sliding_attention`` (a block slot at position p sees context and block keys at positions q with
+            |p - q| <= ``sliding_window``: transformers' bidirectional sliding window, as in its native DFlash
+            drafters). ``None``: every layer full.
+        sliding_window: the window of the ``sliding_attention`` layers, in tokens.
         target_layer_ids: target layers whose outputs (``hidden_states[l + 1]``) feed the draft context.
         mask_token_id: a reserved token id of the target's vocabulary used for the mask slots; ``None`` (the
             default) uses a learned ``mask_embedding`` vector instead, which works for any target.
@@ -82,6 +88,8 @@ class DSparkConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 8192,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
         qk_norm: bool = False,
         attention_bias: bool = False,
         mask_token_id: int | None = None,
@@ -121,6 +129,8 @@ class DSparkConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
+        self.layer_types = list(layer_types) if layer_types is not None else None
+        self.sliding_window = sliding_window
         self.qk_norm = qk_norm
         self.attention_bias = attention_bias
         self.mask_token_id = mask_token_id
@@ -162,6 +172,7 @@ class DSparkConfig(PretrainedConfig):
             raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
+        self.validate_layer_types()
         if self.target_num_layers is not None and not all(
             0 <= i < self.target_num_layers for i in self.target_layer_ids
         ):
@@ -212,6 +223,29 @@ class DSparkConfig(PretrainedConfig):
         if self.target_vocab_size is not None and self.mask_token_id is not None:
             if not 0 <= self.mask_token_id < self.target_vocab_size:
                 raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary")
+
+    def validate_layer_types(self) -> None:
+        """Raise ``ValueError`` unless ``layer_types`` is ``None`` or names one known kind per draft layer, and a
+        sliding layer has an int ``sliding_window`` >= 1."""
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_draft_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, the draft has {self.num_draft_layers} layers"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types: unknown kinds {unknown}; each must be one of {LAYER_TYPES}")
+        window = self.sliding_window
+        if "sliding_attention" in self.layer_types and (
+            isinstance(window, bool) or not isinstance(window, int) or window < 1
+        ):
+            raise ValueError(f"sliding_attention layers need sliding_window, an int >= 1; got {window!r}")
+
+    @property
+    def sliding_layers(self) -> list[bool]:
+        """Per draft layer, whether it attends through the sliding window."""
+        return [kind == "sliding_attention" for kind in self.layer_types or ["full_attention"] * self.num_draft_layers]
 
     def validate_lookup(self) -> None:
         """Raise ``ValueError`` unless the lookup fields are off (``lookup_max_ngram`` = 0) or

@@ -33,6 +33,7 @@ class DraftContext:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     valid: torch.Tensor  # [R, L] bool: False for padding and rejected slots (flushed slots only)
+    positions: torch.Tensor  # [R, L] sequence position of each flushed entry (read by sliding-window layers)
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def extend(self, fused: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
@@ -57,12 +58,14 @@ class DraftContext:
         self.keys = [torch.cat([k, *(c[j][0] for c in chunks)], dim=2) for j, k in enumerate(self.keys)]
         self.values = [torch.cat([v, *(c[j][1] for c in chunks)], dim=2) for j, v in enumerate(self.values)]
         self.valid = torch.cat([self.valid, valid], dim=1)
+        self.positions = torch.cat([self.positions, positions], dim=1)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows ``rows`` [R'] (indices), in that order."""
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
         self.valid = self.valid[rows]
+        self.positions = self.positions[rows]
         self.pending = [tuple(x[rows] for x in queued) for queued in self.pending]
 
     @classmethod
@@ -70,7 +73,8 @@ class DraftContext:
         c = draft.config
         kv = torch.empty(rows, c.num_key_value_heads, 0, c.head_dim, device=device, dtype=draft.dtype)
         n = len(draft.layers)
-        return cls([kv] * n, [kv] * n, torch.empty(rows, 0, dtype=torch.bool, device=device))
+        no_positions = torch.empty(rows, 0, dtype=torch.long, device=device)
+        return cls([kv] * n, [kv] * n, torch.empty(rows, 0, dtype=torch.bool, device=device), no_positions)
 
 
 @dataclass
@@ -235,7 +239,7 @@ def draft_block(
     # [R, V] logits (the head's bias and the argmax then cover len(draft_vocab) columns instead of V)
     subset = step is _torch_slot and not do_sample and not logits_processor and draft.draft_vocab is not None
     context_kv = list(zip(context.keys, context.values, strict=True))
-    out = draft(draft.embed_block(anchors), positions, context_kv, mask, compute_logits=not subset)
+    out = draft(draft.embed_block(anchors), positions, context_kv, mask, not subset, context.positions)
     logits = draft.draft_vocab_logits(out.hidden_states) if subset else out.logits
     if subset:
         step = functools.partial(_subset_slot, rows=draft.head_vocab_rows(), vocab=draft.draft_vocab)

@@ -22,9 +22,11 @@ from .checkpoint_files import check_weight_files, checkpoint_folder, read_config
 from .compat import (
     is_deepspec_config,
     is_dflash_config,
+    is_muse_glimmer_config,
     is_speculators_config,
     load_deepspec,
     load_dflash,
+    load_muse_glimmer,
     load_speculators,
 )
 from .configuration_dspark import DSparkConfig
@@ -431,6 +433,7 @@ class DSparkDraftModel(PreTrainedModel):
         context: list[tuple[torch.Tensor, torch.Tensor]],
         attention_mask: torch.Tensor | None = None,
         compute_logits: bool = True,
+        context_positions: torch.Tensor | None = None,
     ) -> DSparkOutput:
         """One backbone pass.
 
@@ -440,16 +443,33 @@ class DSparkDraftModel(PreTrainedModel):
             context: per-layer cached context keys/values from :meth:`context_key_values`, each [R, KV, L, hd].
             attention_mask: [R, N, L + N] bool (True = may attend), or ``None`` for one block that sees all
                 context and itself bidirectionally.
+            context_positions: [R, L] sequence positions of the context entries; needed (and only read) by a draft
+                with ``sliding_attention`` layers.
         Returns:
             :class:`DSparkOutput` with ``hidden_states`` h [R, N, d] and base ``logits`` U [R, N, V].
         """
         if len(context) != len(self.layers):
             raise ValueError(f"context has {len(context)} layers, the draft has {len(self.layers)}")
+        masks = self.layer_masks(block_positions, context_positions, attention_mask)
         x = block_embeds
-        for layer, (k, v) in zip(self.layers, context, strict=True):
-            x = layer(x, block_positions, k, v, attention_mask)
+        for layer, (k, v), mask in zip(self.layers, context, masks, strict=True):
+            x = layer(x, block_positions, k, v, mask)
         h = self.norm(x)
         return DSparkOutput(logits=self.draft_logits(h) if compute_logits else None, hidden_states=h)
+
+    def layer_masks(self, block_positions, context_positions, attention_mask) -> list[torch.Tensor | None]:
+        """The attention mask of each layer: ``attention_mask`` for full layers; for sliding ones, also keys at
+        most ``sliding_window`` positions from the query (both directions, as transformers' bidirectional sliding
+        window). Shapes as in :meth:`forward`."""
+        sliding = self.config.sliding_layers
+        if not any(sliding):
+            return [attention_mask] * len(sliding)
+        if context_positions is None:
+            raise ValueError("this draft has sliding_attention layers: forward needs context_positions [R, L]")
+        key_positions = torch.cat([context_positions.to(block_positions.device), block_positions], dim=1)
+        near = (block_positions[:, :, None] - key_positions[:, None, :]).abs() <= self.config.sliding_window
+        windowed = near if attention_mask is None else attention_mask & near
+        return [windowed if s else attention_mask for s in sliding]
 
     # ----- construction from a target -------------------------------------------------------------------------
 
@@ -520,6 +540,10 @@ class DSparkDraftModel(PreTrainedModel):
 
         The loaded draft is not attached to a target; ``generate(assistant_model=draft)`` attaches it, or call
         :meth:`attach`.
+
+        Other layouts load too (DeepSpec, z-lab DFlash, speculators, transformers' ``MuseGlimmerAssistantModel``).
+        A ``MuseGlimmerAssistantModel`` checkpoint does not record its target's vocabulary: pass
+        ``target_vocab_size=target.config.get_text_config().vocab_size``.
         """
         foreign = cls._foreign_layout(pretrained_model_name_or_path, kwargs)
         if foreign is not None:
@@ -543,25 +567,36 @@ class DSparkDraftModel(PreTrainedModel):
 
     @classmethod
     def _foreign_layout(cls, name_or_path, kwargs: dict) -> DSparkDraftModel | None:
-        """Load checkpoints written by other implementations (DeepSpec, z-lab DFlash); ``None`` for our own layout.
+        """Load checkpoints written by other implementations (DeepSpec, z-lab DFlash, speculators, transformers'
+        native DFlash drafters); ``None`` for our own layout.
 
         Raises ``FileNotFoundError`` naming the path or file for a missing folder, config.json or weights file, and
         ``ValueError`` naming the file for a damaged one or a config.json that is neither ours nor a layout we know."""
         folder = checkpoint_folder(name_or_path, kwargs)
         raw = read_config(folder)
         loaders = ((is_speculators_config, load_speculators), (is_deepspec_config, load_deepspec),
-                   (is_dflash_config, load_dflash))  # fmt: skip
+                   (is_dflash_config, load_dflash), (is_muse_glimmer_config, load_muse_glimmer))  # fmt: skip
         if raw.get("model_type") == "dspark":
             check_weight_files(folder)
             return None
+        vocab = kwargs.get("target_vocab_size")
         for matches, load in loaders:
             if matches(raw):
                 check_weight_files(folder)
-                return load(cls, folder, raw, dtype=kwargs.get("dtype"))
+                # transformers' native drafters do not record their target's vocabulary: the caller names it
+                extra = {"target_vocab_size": vocab} if load is load_muse_glimmer else {}
+                model = load(cls, folder, raw, dtype=kwargs.get("dtype"), **extra)
+                if vocab is not None and model.config.target_vocab_size != vocab:
+                    raise ValueError(
+                        f"{name_or_path} was built for a {model.config.target_vocab_size}-token vocabulary, "
+                        f"target_vocab_size={vocab} was asked for"
+                    )
+                return model
         raise ValueError(
             f"{name_or_path}: unknown checkpoint layout (model_type={raw.get('model_type')!r}, "
             f"architectures={raw.get('architectures')}); expected a DSpark draft (model_type 'dspark'), "
-            "DeepSpec's Qwen3DSparkModel layout, z-lab's DFlashDraftModel layout or a speculators DSpark/DFlash draft"
+            "DeepSpec's Qwen3DSparkModel layout, z-lab's DFlashDraftModel layout, a speculators DSpark/DFlash draft "
+            "or transformers' MuseGlimmerAssistantModel"
         )
 
     def save_pretrained(self, save_directory, *args, **kwargs):

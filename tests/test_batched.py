@@ -23,7 +23,9 @@ def scripted_draft(draft, refs, right):
     when ``right(r, k)``, and a wrong one otherwise (head "none": the base logits are the proposals)."""
     original = draft.forward
 
-    def forward(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
+    def forward(
+        block_embeds, block_positions, context, attention_mask=None, compute_logits=True, context_positions=None
+    ):
         out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
         logits = torch.full_like(out.logits, -1e4)
         for i, r in enumerate(draft.stats.round_rows[-1]):  # finished rows have left the batch

@@ -44,7 +44,9 @@ class Oracle:
         draft.config.verify_mode = "fixed"  # verify every proposal, so acceptance counts are the oracle's
         original = draft.forward
 
-        def forward(block_embeds, block_positions, context, attention_mask=None, compute_logits=True):
+        def forward(
+            block_embeds, block_positions, context, attention_mask=None, compute_logits=True, context_positions=None
+        ):
             out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
             logits = torch.full_like(out.logits, -1e4)
             for k, pos in enumerate(block_positions[0].tolist()):

@@ -156,6 +156,8 @@ def export_deepspec(draft, folder: str | Path, num_anchors: int = 512, whole_voc
         raise ValueError("DeepSpec embeds mask slots with a vocabulary token: this draft uses a learned mask vector")
     if c.head_type == "rnn":
         raise ValueError("exporting the RNN head to DeepSpec's layout is not supported")
+    if any(c.sliding_layers):
+        raise ValueError("DeepSpec's layout has no sliding-window layers: this draft has sliding_attention layers")
     if c.draft_vocab_size is not None and not whole_vocab:
         raise ValueError(
             f"DeepSpec's layout has no draft vocabulary (this draft proposes {c.draft_vocab_size} tokens): pass "

@@ -131,6 +131,8 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
         )
     if c.target_hidden_size is not None and c.target_hidden_size != c.hidden_size:
         problems.append(f"the draft must be as wide as its target ({c.hidden_size} vs {c.target_hidden_size})")
+    if any(c.sliding_layers):
+        problems.append("its sliding_attention layers have no counterpart there that this package has checked")
     if problems:
         raise ValueError("cannot export this draft in the speculators layout: " + "; ".join(problems))
     vocab = draft.draft_vocab

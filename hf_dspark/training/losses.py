@@ -111,7 +111,8 @@ def block_predictions(
     positions = torch.arange(L, device=input_ids.device).expand(R, L)
     context = draft.context_key_values(features.to(draft.dtype), positions)
     embeds = draft.embed_block(input_ids.gather(1, anchors)).reshape(R, A * gamma, -1)
-    out = draft(embeds, slot_pos.reshape(R, -1), context, block_attention_mask(anchors, valid, gamma), False)
+    mask = block_attention_mask(anchors, valid, gamma)
+    out = draft(embeds, slot_pos.reshape(R, -1), context, mask, False, positions)
     h = out.hidden_states.view(R, A, gamma, -1)
     if vocab is None:
         logits, rows = draft.lm_head(h).float(), None
