@@ -3,12 +3,17 @@
     tiny_target     a randomly initialised Llama or Qwen3 causal LM (sharpened logits)
     tiny_rows       training rows whose answers are that target's own greedy continuations
     char_tokenizer  a character-level tokenizer with a chat template
+    exact_first_tokens, chi_square_pvalue
+                    the exact distribution of a small-vocabulary target's first tokens, by enumeration, and the
+                    chi-square test of sampled counts against it (needs scipy)
 
 The project's test suite and its helper scripts build everything from these; so can users testing their own code
 around ``generate(assistant_model=draft)`` without a Hub connection.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -65,3 +70,43 @@ def char_tokenizer():
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     fast.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'][:40] }}\n{% endfor %}a:"
     return fast
+
+
+@torch.no_grad()
+def exact_first_tokens(target, prompt: torch.Tensor, processors, n_tokens: int = 3) -> dict[tuple[int, ...], float]:
+    """P(x_1..x_n | prompt [1, P]) under the target's logits after ``processors`` (a LogitsProcessorList), for
+    every sequence of ``n_tokens`` ids, by enumeration: V^n target forwards, so only for tiny vocabularies."""
+    vocab = target.config.get_text_config().vocab_size
+    start = prompt.shape[1]
+    probs = {}
+    for seq in itertools.product(range(vocab), repeat=n_tokens):
+        ids = torch.cat([prompt, torch.tensor([seq])], dim=1)
+        logits = target(ids).logits[0, start - 1 : -1].double()
+        p = 1.0
+        for i, tok in enumerate(seq):
+            scores = processors(ids[:, : start + i], logits[i : i + 1])
+            p *= torch.softmax(scores, -1)[0, tok].item()
+        probs[seq] = p
+    return probs
+
+
+def chi_square_pvalue(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], float]) -> float:
+    """Chi-square goodness-of-fit p-value of sampled ``counts`` against ``probs`` (:func:`exact_first_tokens`);
+    cells expected fewer than 5 times are pooled. A sequence of probability zero raises ``AssertionError``."""
+    from scipy.stats import chisquare
+
+    n = sum(counts.values())
+    assert set(counts) <= {k for k, p in probs.items() if p > 0}, "sampled a sequence of probability zero"
+    observed, expected, pooled_o, pooled_e = [], [], 0, 0.0
+    for key, p in probs.items():
+        if n * p >= 5:
+            observed.append(counts.get(key, 0))
+            expected.append(n * p)
+        else:
+            pooled_o += counts.get(key, 0)
+            pooled_e += n * p
+    if pooled_e > 0:
+        observed.append(pooled_o)
+        expected.append(pooled_e)
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)

@@ -3,13 +3,11 @@
 Model builders live in :mod:`hf_dspark.testing`; fixtures in ``conftest.py``.
 """
 
-import itertools
-
 import torch
-from scipy.stats import chisquare
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import hf_dspark
+from hf_dspark.testing import chi_square_pvalue, exact_first_tokens  # noqa: F401 (chi_square_pvalue: re-exported)
 
 # --- sampling: the first tokens of a tiny-vocabulary target, enumerated exactly ---------------------------------
 
@@ -28,19 +26,9 @@ def processors(temperature, top_k=None, top_p=None):
     return LogitsProcessorList(procs)
 
 
-@torch.no_grad()
 def exact_distribution(target, processors, n_tokens=3):
-    """P(x_1..x_n | prompt) under the processed target, by enumeration over all prefixes."""
-    probs = {}
-    for seq in itertools.product(range(VOCAB), repeat=n_tokens):
-        ids = torch.cat([PROMPT, torch.tensor([seq])], dim=1)
-        logits = target(ids).logits[0, PROMPT.shape[1] - 1 : -1].double()
-        p = 1.0
-        for i, tok in enumerate(seq):
-            scores = processors(ids[:, : PROMPT.shape[1] + i], logits[i : i + 1])
-            p *= torch.softmax(scores, -1)[0, tok].item()
-        probs[seq] = p
-    return probs
+    """P(x_1..x_n | PROMPT) under the processed target, by enumeration over all prefixes."""
+    return exact_first_tokens(target, PROMPT, processors, n_tokens)
 
 
 def sample_counts(target, draft, gen_kwargs, n=SAMPLES, seed=0, custom_generate=False):
@@ -64,24 +52,6 @@ def sample_counts(target, draft, gen_kwargs, n=SAMPLES, seed=0, custom_generate=
         draft.seen["looked_up_proposed"] += sum(p for p, lk in zip(s.proposed, s.looked_up, strict=True) if lk)
         draft.seen["looked_up_accepted"] += sum(a for a, lk in zip(s.accepted, s.looked_up, strict=True) if lk)
     return counts
-
-
-def chi_square_pvalue(counts, probs):
-    n = sum(counts.values())
-    assert set(counts) <= {k for k, p in probs.items() if p > 0}, "sampled a sequence of probability zero"
-    observed, expected, pooled_o, pooled_e = [], [], 0, 0.0
-    for key, p in probs.items():
-        if n * p >= 5:
-            observed.append(counts.get(key, 0))
-            expected.append(n * p)
-        else:
-            pooled_o += counts.get(key, 0)
-            pooled_e += n * p
-    if pooled_e > 0:
-        observed.append(pooled_o)
-        expected.append(pooled_e)
-    scale = sum(observed) / sum(expected)
-    return chisquare(observed, [e * scale for e in expected]).pvalue
 
 
 CASES = {

@@ -3,6 +3,7 @@ re-implementation of that layout's forward, and our export round-trips."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,3 +304,48 @@ def test_dflash_checkpoint_for_another_target_is_refused(tmp_path):
     draft = DSparkDraftModel.from_pretrained(tmp_path / "dflash")
     with pytest.raises(ValueError, match="num_hidden_layers: draft expects 36, target has 4"):
         target_with(sd).generate(torch.tensor([[5, 6]]), max_new_tokens=3, assistant_model=draft)
+
+
+def test_deepspec_layout_carries_the_rnn_head(tmp_path):
+    """The RNN head goes out as DeepSpec's ``markov_head_type: rnn`` (its ``joint_proj`` is our ``rnn_cell``) and
+    comes back tensor for tensor; the reloaded draft decodes the target's greedy output. (Against DeepSpec's own
+    RNNHead: scripts/deepspec_crosscheck.py, benchmarks/results/deepspec_crosscheck.json.)"""
+    target = tiny_target("qwen3", vocab_size=V, layers=4, tie_word_embeddings=False)
+    draft = DSparkDraftModel.from_target(target, block_size=GAMMA, head_type="rnn", head_rank=R, mask_token_id=MASK)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    export_deepspec(draft, tmp_path / "export")
+    raw = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert raw["markov_head_type"] == "rnn" and raw["markov_rank"] == R
+    keys = set(load_file(tmp_path / "export" / "model.safetensors"))
+    assert {"markov_head.joint_proj.weight", "markov_head.joint_proj.bias", "markov_head.markov_w2.weight"} <= keys
+    back = DSparkDraftModel.from_pretrained(tmp_path / "export").attach(target)
+    assert back.config.head_type == "rnn"
+    a, b = draft.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.tensor([[5, 9, 14, 3]])
+    kw = dict(max_new_tokens=12, do_sample=False)
+    assert target.generate(ids, assistant_model=back, **kw).tolist() == target.generate(ids, **kw).tolist()
+
+
+def test_deepspec_crosscheck_script_names_what_it_needs(tmp_path, monkeypatch):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        from deepspec_crosscheck import main
+    finally:
+        sys.path.pop(0)
+    monkeypatch.delenv("DEEPSPEC_SRC", raising=False)
+    with pytest.raises(SystemExit, match="name DeepSpec's source: --deepspec PATH or DEEPSPEC_SRC=PATH"):
+        main(["--out", str(tmp_path / "r.json")])
+    import transformers
+
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 18):
+        with pytest.raises(SystemExit, match=r"DynamicCache.crop\(length\), removed in 5.18; run under 5.17"):
+            main(["--deepspec", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    else:
+        with pytest.raises(SystemExit, match="is not a DeepSpec checkout"):
+            main(["--deepspec", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    assert not (tmp_path / "r.json").exists()

@@ -5,7 +5,8 @@ Their checkpoint is a Qwen3-style decoder saved as ``Qwen3DSparkModel``: ``layer
 (``markov_head.gate_proj`` for the gated head), ``confidence_head.proj``, plus copies of the target's
 ``embed_tokens`` and ``lm_head``. Its config is the target's Qwen3 config with ``num_hidden_layers`` set to the
 draft's depth and ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``num_target_layers``,
-``markov_rank``, ``markov_head_type`` (vanilla | gated | rnn), ``enable_confidence_head`` and
+``markov_rank``, ``markov_head_type`` (vanilla | gated | rnn: ``markov_head.joint_proj`` is our RNN head's
+``rnn_cell``, the same [s; W1[x]; h] -> [gate; candidate; output] map), ``enable_confidence_head`` and
 ``confidence_head_with_markov`` added. The block convention is DSpark's (anchor + γ-1 masks, γ drafts), the mask
 slots use the embedding of ``mask_token_id``, the context reads ``hidden_states[l + 1]``: all as ours.
 """
@@ -21,8 +22,13 @@ from safetensors.torch import load_file, save_file
 from ..configuration_dspark import DSparkConfig
 
 ARCHITECTURE = "Qwen3DSparkModel"
-_HEADS_IN = {0: "none", "vanilla": "markov", "gated": "gated"}
-_RENAMES = (("markov_head.", "sequential_head."), ("confidence_head.proj.", "confidence.confidence_head."))
+_HEADS_IN = {0: "none", "vanilla": "markov", "gated": "gated", "rnn": "rnn"}
+# in order (a later pair sees what earlier ones made); export applies them swapped and in reverse order
+_RENAMES = (
+    ("markov_head.", "sequential_head."),
+    ("sequential_head.joint_proj.", "sequential_head.rnn_cell."),  # the RNN head's joint gate/candidate/output map
+    ("confidence_head.proj.", "confidence.confidence_head."),
+)
 TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the draft borrows the target's own at use time
 
 
@@ -63,7 +69,7 @@ def config_from_deepspec(raw: dict) -> DSparkConfig:
     kind = 0 if rank == 0 else str(raw.get("markov_head_type", "vanilla")).lower()
     if kind not in _HEADS_IN:
         raise ValueError(
-            f"DeepSpec markov_head_type {kind!r} is not supported by this loader (supported: vanilla, gated, none)"
+            f"DeepSpec markov_head_type {kind!r} is not supported by this loader (supported: vanilla, gated, rnn, none)"
         )
     return DSparkConfig(
         block_size=int(raw["block_size"]),
@@ -154,8 +160,6 @@ def export_deepspec(draft, folder: str | Path, num_anchors: int = 512, whole_voc
         raise ValueError("DeepSpec's layout is Qwen3-style: it needs per-head q/k norms (qk_norm=True)")
     if c.mask_token_id is None:
         raise ValueError("DeepSpec embeds mask slots with a vocabulary token: this draft uses a learned mask vector")
-    if c.head_type == "rnn":
-        raise ValueError("exporting the RNN head to DeepSpec's layout is not supported")
     if any(c.sliding_layers):
         raise ValueError("DeepSpec's layout has no sliding-window layers: this draft has sliding_attention layers")
     if c.draft_vocab_size is not None and not whole_vocab:
@@ -168,7 +172,7 @@ def export_deepspec(draft, folder: str | Path, num_anchors: int = 512, whole_voc
         raise ValueError("attach the draft to its target first: DeepSpec checkpoints carry embed_tokens and lm_head")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    ours_to_theirs = [(new, old) for old, new in _RENAMES]
+    ours_to_theirs = [(new, old) for old, new in reversed(_RENAMES)]
     state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab"}
     if draft.sequential_head is not None:  # a head storing draft-vocabulary rows writes them over the whole vocabulary
         state["sequential_head.markov_w2.weight"] = draft._full_head_weight()
@@ -177,7 +181,7 @@ def export_deepspec(draft, folder: str | Path, num_anchors: int = 512, whole_voc
     # a copy: targets that tie their LM head to the embedding (SmolLM2) would otherwise hand safetensors one tensor
     # under two names, which it refuses to write
     weights["lm_head.weight"] = draft._target.lm_head.weight.detach().cpu().contiguous().clone()
-    kind = {"none": None, "markov": "vanilla", "gated": "gated"}[c.head_type]
+    kind = {"none": None, "markov": "vanilla", "gated": "gated", "rnn": "rnn"}[c.head_type]
     raw = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
