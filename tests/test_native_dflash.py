@@ -177,3 +177,24 @@ def test_exports_refuse_sliding_layers(tmp_path):
     with pytest.raises(ValueError, match="DeepSpec's layout has no sliding-window layers"):
         export_deepspec(draft, tmp_path / "deepspec")
     assert not (tmp_path / "speculators").exists() and not (tmp_path / "deepspec").exists()
+
+
+def test_side_by_side_benchmark_runs_and_reports_identity(tmp_path):
+    """benchmarks/native_dflash.py at toy size: its report says the two loops agreed and names theirs' refusal."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from native_dflash import main
+    finally:
+        sys.path.pop(0)
+    readme = tmp_path / "results.md"
+    report = main(["--out", str(tmp_path), "--reps", "1", "--new-tokens", "8", "--samples", "20",
+                   "--readme", str(readme)])  # fmt: skip
+    assert report["batch1"]["identical_tokens"] and report["batch1"]["identical_accepted_counts"]
+    assert report["batch4"]["identical_to_plain"]
+    assert report["batch4"]["transformers_dflash"].startswith("ValueError: assisted generate is only supported for")
+    assert set(report["sampling"]["p_values"]["T=0.7"]) == {"transformers_dflash", "hf_dspark"}
+    assert json.loads((tmp_path / "native_dflash.json").read_text())["batch1"]["rounds"] == report["batch1"]["rounds"]
+    assert "| batch 4 | ✓ | refused |" in readme.read_text()
