@@ -142,11 +142,7 @@ def cmd_prepare(args) -> None:
     counts = {name: args.limit or len(ps) for name, ps in sources.items()}
     prompts = mix_prompts(sources, counts, seed=args.seed)
     target, tokenizer = load_target(args.target, args.dtype)
-    draft = None
-    if folder is not None:
-        from .modeling_dspark import DSparkDraftModel
-
-        draft = DSparkDraftModel.from_pretrained(folder, dtype=target.dtype).attach(target)
+    draft = None if folder is None else load_draft_for(folder, target)
     regenerate(
         target,
         tokenizer,
@@ -238,14 +234,18 @@ def _write_results(out: Path, name: str, results: list[dict], table: str) -> Non
     print(table)
 
 
-def _load_drafts(folders: dict[str, Path], target) -> dict:
-    """{label: checked folder} (:func:`draft_specs`) -> {label: draft attached to target}."""
+def load_draft_for(folder: Path, target):
+    """The draft in ``folder`` (any layout ``from_pretrained`` reads) in the target's dtype, attached to it; the
+    target names the vocabulary, which transformers' native drafters do not record."""
     from .modeling_dspark import DSparkDraftModel
 
-    return {
-        label: DSparkDraftModel.from_pretrained(folder, dtype=target.dtype).attach(target)
-        for label, folder in folders.items()
-    }
+    vocab = target.config.get_text_config().vocab_size
+    return DSparkDraftModel.from_pretrained(folder, dtype=target.dtype, target_vocab_size=vocab).attach(target)
+
+
+def _load_drafts(folders: dict[str, Path], target) -> dict:
+    """{label: checked folder} (:func:`draft_specs`) -> {label: draft attached to target}."""
+    return {label: load_draft_for(folder, target) for label, folder in folders.items()}
 
 
 def cmd_eval(args) -> None:
@@ -287,13 +287,12 @@ def cmd_bench(args) -> None:
 def cmd_export(args) -> None:
     from .compat import export_deepspec, export_speculators
     from .embedded import hub_id
-    from .modeling_dspark import DSparkDraftModel
 
     folder = check_draft(args.draft)
     check_target(args.target)
     dtype = resolve_dtype(args.dtype, draft_folder=folder)  # auto: the draft's own dtype, so nothing is widened
     target, _ = load_target(args.target, dtype, with_tokenizer=False)
-    draft = DSparkDraftModel.from_pretrained(folder, dtype=target.dtype).attach(target)
+    draft = load_draft_for(folder, target)
     if args.format == "speculators":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -543,11 +543,13 @@ class DSparkDraftModel(PreTrainedModel):
 
         Other layouts load too (DeepSpec, z-lab DFlash, speculators, transformers' ``MuseGlimmerAssistantModel``).
         A ``MuseGlimmerAssistantModel`` checkpoint does not record its target's vocabulary: pass
-        ``target_vocab_size=target.config.get_text_config().vocab_size``.
+        ``target_vocab_size=target.config.get_text_config().vocab_size``. For every other layout that argument is a
+        check: a draft built for another vocabulary raises ``ValueError`` naming both sizes.
         """
         foreign = cls._foreign_layout(pretrained_model_name_or_path, kwargs)
         if foreign is not None:
             return foreign
+        vocab = kwargs.pop("target_vocab_size", None)  # a check here, never a config override
         want_info = kwargs.pop("output_loading_info", False)
         kwargs["ignore_mismatched_sizes"] = True  # collected and reported below, with names
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
@@ -563,6 +565,11 @@ class DSparkDraftModel(PreTrainedModel):
             problems.append("; ".join(info["error_msgs"]))
         if problems:
             raise ValueError(f"Malformed DSpark checkpoint {pretrained_model_name_or_path}: " + "; ".join(problems))
+        if vocab is not None and model.config.target_vocab_size != vocab:
+            raise ValueError(
+                f"{pretrained_model_name_or_path} was built for a {model.config.target_vocab_size}-token vocabulary, "
+                f"target_vocab_size={vocab} was asked for"
+            )
         return (model, info) if want_info else model
 
     @classmethod

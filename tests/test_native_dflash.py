@@ -198,3 +198,28 @@ def test_side_by_side_benchmark_runs_and_reports_identity(tmp_path):
     assert set(report["sampling"]["p_values"]["T=0.7"]) == {"transformers_dflash", "hf_dspark"}
     assert json.loads((tmp_path / "native_dflash.json").read_text())["batch1"]["rounds"] == report["batch1"]["rounds"]
     assert "| batch 4 | ✓ | refused |" in readme.read_text()
+
+
+def test_cli_reads_native_drafters_with_the_targets_vocabulary(tmp_path):
+    """The CLI loads every draft with the target in hand and names its vocabulary, so a native drafter needs no
+    extra option; a DFlash-convention draft is refused by DeepSpec's export and written by speculators'."""
+    from hf_dspark.cli import main
+
+    target, drafter, _ = pair(8, 1, 5, 6, layer_types=("full_attention", "full_attention"))
+    target.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "native")
+    common = ["export", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "native")]
+    main([*common, "--out", str(tmp_path / "spec"), "--format", "speculators", "--verifier", "org/target"])
+    back = DSparkDraftModel.from_pretrained(tmp_path / "spec")
+    assert back.config.draft_offset == 1 and back.config.target_vocab_size == 8
+    with pytest.raises(SystemExit, match=r"DFlash's convention \(draft_offset=1\): export it with export_speculators"):
+        main([*common, "--out", str(tmp_path / "ds"), "--format", "deepspec"])
+
+
+def test_a_draft_loaded_for_another_vocabulary_is_refused(tmp_path):
+    """``target_vocab_size`` checks our own layout (never overrides its config)."""
+    target, _, _ = pair(8, 1, 5, 6)
+    DSparkDraftModel.from_target(target, block_size=4, head_rank=8).save_pretrained(tmp_path)
+    assert DSparkDraftModel.from_pretrained(tmp_path, target_vocab_size=8).config.target_vocab_size == 8
+    with pytest.raises(ValueError, match="was built for a 8-token vocabulary, target_vocab_size=9 was asked for"):
+        DSparkDraftModel.from_pretrained(tmp_path, target_vocab_size=9)

@@ -162,6 +162,11 @@ def export_deepspec(draft, folder: str | Path, num_anchors: int = 512, whole_voc
         raise ValueError("DeepSpec embeds mask slots with a vocabulary token: this draft uses a learned mask vector")
     if any(c.sliding_layers):
         raise ValueError("DeepSpec's layout has no sliding-window layers: this draft has sliding_attention layers")
+    if c.draft_offset != 0:
+        raise ValueError(
+            "DeepSpec's layout drafts from every slot, the anchor's included (draft_offset=0); this draft uses "
+            "DFlash's convention (draft_offset=1): export it with export_speculators, which records the convention"
+        )
     if c.draft_vocab_size is not None and not whole_vocab:
         raise ValueError(
             f"DeepSpec's layout has no draft vocabulary (this draft proposes {c.draft_vocab_size} tokens): pass "
