@@ -129,6 +129,15 @@ class DSparkOutput(ModelOutput):
     hidden_states: torch.Tensor | None = None
 
 
+def _check_vocab(name_or_path, model, vocab: int | None) -> None:
+    """``ValueError`` naming both sizes when a loaded draft was built for another vocabulary than ``vocab``."""
+    if vocab is not None and model.config.target_vocab_size != vocab:
+        raise ValueError(
+            f"{name_or_path} was built for a {model.config.target_vocab_size}-token vocabulary, "
+            f"target_vocab_size={vocab} was asked for"
+        )
+
+
 class _TargetRef:
     """Holds the target's embedding and LM head without registering them as submodules of the draft (so they are
     neither saved in the draft's checkpoint nor counted among its parameters)."""
@@ -565,11 +574,7 @@ class DSparkDraftModel(PreTrainedModel):
             problems.append("; ".join(info["error_msgs"]))
         if problems:
             raise ValueError(f"Malformed DSpark checkpoint {pretrained_model_name_or_path}: " + "; ".join(problems))
-        if vocab is not None and model.config.target_vocab_size != vocab:
-            raise ValueError(
-                f"{pretrained_model_name_or_path} was built for a {model.config.target_vocab_size}-token vocabulary, "
-                f"target_vocab_size={vocab} was asked for"
-            )
+        _check_vocab(pretrained_model_name_or_path, model, vocab)
         return (model, info) if want_info else model
 
     @classmethod
@@ -593,11 +598,7 @@ class DSparkDraftModel(PreTrainedModel):
                 # transformers' native drafters do not record their target's vocabulary: the caller names it
                 extra = {"target_vocab_size": vocab} if load is load_muse_glimmer else {}
                 model = load(cls, folder, raw, dtype=kwargs.get("dtype"), **extra)
-                if vocab is not None and model.config.target_vocab_size != vocab:
-                    raise ValueError(
-                        f"{name_or_path} was built for a {model.config.target_vocab_size}-token vocabulary, "
-                        f"target_vocab_size={vocab} was asked for"
-                    )
+                _check_vocab(name_or_path, model, vocab)
                 return model
         raise ValueError(
             f"{name_or_path}: unknown checkpoint layout (model_type={raw.get('model_type')!r}, "
