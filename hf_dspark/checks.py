@@ -6,6 +6,8 @@ an error that says what to change.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.generation import GenerationConfig
 
@@ -78,3 +80,54 @@ def check_cache(cache, rows: int, max_length: int) -> None:
             f"the target attends through a sliding window of {window} tokens: a batch of {rows} rows can decode "
             f"DSpark only within it (max_length {max_length} > {window}); run the rows one at a time"
         )
+
+
+_TREE_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(impl, dtype): honours a tree mask}
+
+
+def tree_refusal(target, cache) -> str | None:
+    """Why ``target`` cannot verify a token tree in one forward (``None``: it can). A tree needs a custom 4D
+    attention mask over a plain ``DynamicCache``: sliding-window layers would apply their window to the mask's
+    columns, not to positions, and attention kernels other than eager and SDPA take no such mask. Whether the model
+    honours the mask is measured once per target (:func:`honours_tree_mask`), not assumed from its family."""
+    from transformers.cache_utils import DynamicLayer
+
+    if sliding_window(cache) is not None:
+        return "the target has sliding-window attention layers"
+    impl = target.config._attn_implementation
+    if impl not in ("eager", "sdpa"):
+        return f"attn_implementation={impl!r} takes no custom 4D attention mask (use 'sdpa' or 'eager')"
+    if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [None])):
+        return f"the cache's layers are not plain DynamicLayers ({type(cache).__name__})"
+    known = _TREE_MASKS.setdefault(target, {})
+    key = (impl, target.dtype)
+    if key not in known:
+        known[key] = honours_tree_mask(target)
+    return None if known[key] else "the target does not honour a custom 4D attention mask (measured)"
+
+
+@torch.no_grad()
+def honours_tree_mask(target) -> bool:
+    """Whether ``target`` computes a branch of a tree under a 4D mask as it computes the same tokens in sequence:
+    tokens (a, b, c) at positions (0, 1, 1), c attending to a and itself only, must give c the logits that (a, c)
+    gives it at position 1 (and b those of (a, b))."""
+    vocab = target.config.get_text_config().vocab_size
+    device, dtype = target.device, target.dtype
+    ids = torch.tensor([[1, 2, 3]], device=device) % vocab
+    allowed = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=device)
+    mask = torch.zeros(3, 3, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    positions = torch.tensor([[0, 1, 1]], device=device)
+    tree = target(input_ids=ids, position_ids=positions, attention_mask=mask[None, None], use_cache=False).logits[0]
+    chains = [target(input_ids=ids[:, [0, j]], use_cache=False).logits[0, -1] for j in (1, 2)]
+    expected = torch.stack(chains).float()
+    scale = float(expected.abs().max()) + 1.0
+    tolerance = scale * (1e-4 if dtype in (torch.float32, torch.float64) else 3e-2)
+    return bool((tree[1:].float() - expected).abs().max() <= tolerance)
+
+
+def keep_cache_slots(cache, start: int, slots: torch.Tensor) -> None:
+    """Keep, of every layer's cache entries from ``start`` on, only ``slots`` [n] (indices past ``start``), in that
+    order: after a tree's verify, the accepted path."""
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, start:].index_select(2, slots)], dim=2)
+        layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, start:].index_select(2, slots)], 2)

@@ -66,6 +66,10 @@ class DSparkConfig(PretrainedConfig):
             most γ tokens; each lookup accepted in full doubles that width, up to ``lookup_max_tokens``, and a
             lookup that is cut short sets it back to γ. A long repeat then verifies long continuations, while a
             lookup that fails early costs a block's width, not the cap's.
+        tree_top_k: children per node of a token tree (``hf_dspark.tree``; 1, the default: one chain). Above 1, a
+            single-row call verifies a tree: the draft's top ``tree_top_k`` tokens under each of the ``tree_top_k``
+            most valuable nodes of each depth, with lookup continuations as branches, and ``verify_limit`` counts
+            nodes (``None``: γ · ``tree_top_k``). Batches of several rows verify chains.
         confidence_recalibration: (``scheduled``/``async``) shift the head's confidences, per call, toward the
             acceptance observed in that call's own earlier rounds (``hf_dspark.recalibration``; on by default), so
             a prompt much easier or harder than the calibration set's average is priced by what it does.
@@ -115,6 +119,7 @@ class DSparkConfig(PretrainedConfig):
         lookup_max_tokens: int | None = None,
         lookup_adaptive: bool = False,
         confidence_recalibration: bool = True,
+        tree_top_k: int = 1,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -156,6 +161,7 @@ class DSparkConfig(PretrainedConfig):
         self.lookup_max_tokens = lookup_max_tokens
         self.lookup_adaptive = lookup_adaptive
         self.confidence_recalibration = confidence_recalibration
+        self.tree_top_k = tree_top_k
         self.initializer_range = initializer_range
         # `generate` compares vocab sizes of target and assistant before it reaches us: keep this one honest.
         kwargs.setdefault("vocab_size", target_vocab_size)
@@ -209,6 +215,7 @@ class DSparkConfig(PretrainedConfig):
         if self.verify_limit is not None and self.verify_limit < 0:
             raise ValueError(f"verify_limit must be >= 0, got {self.verify_limit}")
         self.validate_lookup()
+        self.validate_tree()
         if not 0 <= self.confidence_threshold <= 1:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         if not isinstance(self.confidence_recalibration, bool):
@@ -246,6 +253,12 @@ class DSparkConfig(PretrainedConfig):
     def sliding_layers(self) -> list[bool]:
         """Per draft layer, whether it attends through the sliding window."""
         return [kind == "sliding_attention" for kind in self.layer_types or ["full_attention"] * self.num_draft_layers]
+
+    def validate_tree(self) -> None:
+        """Raise ``ValueError`` unless ``tree_top_k`` is an int >= 1 (checked again by ``generate``)."""
+        k = self.tree_top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"tree_top_k must be an int >= 1 (1: a chain), got {k!r}")
 
     def validate_lookup(self) -> None:
         """Raise ``ValueError`` unless the lookup fields are off (``lookup_max_ngram`` = 0) or

@@ -38,17 +38,20 @@ def measured_draft_seconds(draft: DSparkDraftModel) -> dict:
     return _MEASURED_DRAFT_SECONDS.setdefault(draft, {})
 
 
-def sps_profile(draft: DSparkDraftModel, target, rows: int) -> SPSProfile:
+def sps_profile(draft: DSparkDraftModel, target, rows: int, max_width: int | None = None) -> SPSProfile:
     """``draft.sps_profile`` if set; else the target's profile for a batch of ``rows``, measured on the shapes the
-    loop verifies ([rows, 1 + ℓ] blocks, ℓ = 0..num_draft_tokens) once per (target, dtype, device, rows) and cached
-    on disk."""
+    loop verifies ([rows, 1 + ℓ] blocks, ℓ = 0..num_draft_tokens; one row's token trees up to ``max_width`` slots,
+    every 4 slots past the block) once per (target, dtype, device, rows, widths) and cached on disk."""
     if getattr(draft, "sps_profile", None) is not None:
         return draft.sps_profile
     table = measured_sps(draft)
-    key = (id(target), target.dtype, str(target.device), rows)
+    widths = list(range(1, draft.config.num_draft_tokens + 2))
+    if max_width is not None and max_width > widths[-1]:
+        widths += [*range(widths[-1] + 4, max_width, 4), max_width]
+    key = (id(target), target.dtype, str(target.device), widths[-1], rows)
     owner, profile = table.get(key, (None, None))
     if owner is None or owner() is not target:  # a weak reference: a new target at a freed one's address re-measures
-        grid = [rows * width for width in range(1, draft.config.num_draft_tokens + 2)]
+        grid = [rows * width for width in widths]
         profile = SPSProfile.measure(target, grid=grid, rows=rows)
         table[key] = (weakref.ref(target), profile)
     return profile
@@ -83,6 +86,38 @@ def draft_seconds(
                 draft_block(draft, ctx, histories, anchors, c.num_draft_tokens, LogitsProcessorList(), do_sample)
                 sync()
                 times.append(time.perf_counter() - start)
+        table[key] = statistics.median(times[1:])
+    return table[key]
+
+
+@torch.no_grad()
+def tree_draft_seconds(draft: DSparkDraftModel, top_k: int, context: int = 256, reps: int = 3) -> float:
+    """Seconds one token tree's drafting costs a row at most (backbone + the head at every node expanded to the
+    block's full depth, ``top_k`` children per node), measured like :func:`draft_seconds` once per setting."""
+    from .proposers import DraftTreeProposer, TreeRequest
+    from .tree import TokenTree
+
+    device = draft.device
+    table = measured_draft_seconds(draft)
+    key = ("tree", top_k, str(device), draft.dtype)
+    if key not in table:
+        c = draft.config
+        fused = torch.randn(1, context, c.hidden_size, generator=torch.Generator().manual_seed(0))
+        ctx = DraftContext.empty(draft, 1, device)
+        ctx.extend(fused.to(device, draft.dtype), torch.arange(context, device=device)[None],
+                   torch.ones(1, context, dtype=torch.bool, device=device))  # fmt: skip
+        proposer = DraftTreeProposer(draft, ctx, top_k)
+        # an unbounded budget: no early stop, the cost of the deepest tree this setting drafts
+        request = TreeRequest(torch.zeros(1, dtype=torch.long, device=device), torch.tensor(context, device=device),
+                              c.num_draft_tokens, 10**6, LogitsProcessorList())  # fmt: skip
+        sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+        times = []
+        for _ in range(reps + 1):
+            sync()
+            start = time.perf_counter()
+            proposer.propose(TokenTree(), request)
+            sync()
+            times.append(time.perf_counter() - start)
         table[key] = statistics.median(times[1:])
     return table[key]
 

@@ -202,6 +202,26 @@ def _kernel_slot(draft, logits, h_k, prev, state, histories, logits_processor, d
     return token, p, conf, state
 
 
+def draft_backbone(
+    draft: DSparkDraftModel,
+    context: DraftContext,
+    anchors: torch.Tensor,
+    anchor_positions: torch.Tensor,
+    compute_logits: bool = True,
+):
+    """The backbone's one pass for a block after each row's anchor: anchors [R] at ``anchor_positions`` [R], after
+    the context (flushed first) -> ``DSparkOutput`` with base logits U [R, block, V] and h [R, block, d]."""
+    R, block_size, device = anchors.shape[0], draft.config.block_size, anchor_positions.device
+    context.flush(draft)
+    positions = anchor_positions[:, None] + torch.arange(block_size, device=device)
+    mask = None
+    if not bool(context.valid.all()):
+        mask = torch.cat([context.valid, torch.ones(R, block_size, dtype=torch.bool, device=device)], dim=1)
+        mask = mask[:, None, :].expand(R, block_size, -1)
+    context_kv = list(zip(context.keys, context.values, strict=True))
+    return draft(draft.embed_block(anchors), positions, context_kv, mask, compute_logits, context.positions)
+
+
 @torch.no_grad()
 def draft_block(
     draft: DSparkDraftModel,
@@ -221,25 +241,17 @@ def draft_block(
     ``planner``: a :class:`ColumnPlan` that admits each slot's confidences (float64) as they come; the block ends
     (fewer than ``max_tokens`` tokens) at the first column it closes on, since no later slot would be verified.
     """
-    block_size = draft.config.block_size
     device = anchor_positions.device
     anchors = torch.stack([h[-1] for h in histories])
     R = anchors.shape[0]
     if max_tokens == 0:
         no_conf = None if draft.confidence is None else torch.empty(R, 0, device=device)
         return Proposal(anchors.new_empty(R, 0), None, no_conf)
-    context.flush(draft)
-    positions = anchor_positions[:, None] + torch.arange(block_size, device=device)
-    mask = None
-    if not bool(context.valid.all()):
-        mask = torch.cat([context.valid, torch.ones(R, block_size, dtype=torch.bool, device=device)], dim=1)
-        mask = mask[:, None, :].expand(R, block_size, -1)
     step = _kernel_slot if use_kernels(draft, device, logits_processor, R) else _torch_slot
     # greedy with no logits processors and a draft vocabulary: choose tokens inside the subset, never building
     # [R, V] logits (the head's bias and the argmax then cover len(draft_vocab) columns instead of V)
     subset = step is _torch_slot and not do_sample and not logits_processor and draft.draft_vocab is not None
-    context_kv = list(zip(context.keys, context.values, strict=True))
-    out = draft(draft.embed_block(anchors), positions, context_kv, mask, not subset, context.positions)
+    out = draft_backbone(draft, context, anchors, anchor_positions, compute_logits=not subset)
     logits = draft.draft_vocab_logits(out.hidden_states) if subset else out.logits
     if subset:
         step = functools.partial(_subset_slot, rows=draft.head_vocab_rows(), vocab=draft.draft_vocab)

@@ -27,16 +27,18 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from .checks import check_cache, check_finite, check_supported, sliding_window
+from .checks import check_cache, check_finite, check_supported, keep_cache_slots, sliding_window, tree_refusal
 from .configuration_dspark import VERIFY_LAYOUTS, VERIFY_MODES, DSparkConfig
-from .costs import profile_rows, round_prices
+from .costs import profile_rows, round_prices, sps_profile, tree_draft_seconds
 from .drafting import DraftContext, LayerTap, Proposal, draft_block
 from .lm_head import verify_head
 from .lookup import lookups, one_hot_probs
 from .modeling_dspark import DSparkDraftModel
+from .proposers import DraftTreeProposer, LookupProposer, TreeRequest, propose_tree
 from .recalibration import AcceptanceRecalibration
 from .scheduler import ColumnPlan, SPSProfile, choose_lengths, column_plan, drafting_pays
 from .stats import DSparkStats
+from .tree import TokenTree, VerifiedTree, walk
 from .verify import probs, process, verify_row
 from .versions import CACHE_FIELD, cache_argument, cache_from
 
@@ -61,6 +63,7 @@ class DecodeSettings:
     lookup_max_tokens: int | None
     lookup_adaptive: bool
     confidence_recalibration: bool
+    tree_top_k: int
 
     @classmethod
     def resolve(cls, draft: DSparkDraftModel, **overrides) -> DecodeSettings:
@@ -89,7 +92,8 @@ class DecodeSettings:
         if values["verify_layout"] not in VERIFY_LAYOUTS:
             raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {values['verify_layout']!r}")
         settings = cls(**values)
-        DSparkConfig.validate_lookup(settings)  # the same rule the config applies to its own fields
+        DSparkConfig.validate_lookup(settings)  # the same rules the config applies to its own fields
+        DSparkConfig.validate_tree(settings)
         return settings
 
 
@@ -208,6 +212,14 @@ class DecodeState:
         self.cache.crop(-(kept.shape[1] - used))
         self.cache_mask = torch.cat([self.cache_mask, kept[:, :used].long()], dim=1)
         self.context.extend(fused[:, :used], positions[:, :used], kept[:, :used])
+
+    def keep_path(self, slots: list[int], fused: torch.Tensor, positions: torch.Tensor) -> None:
+        """After a one-row tree verify of [1, 1 + B] slots: keep in both caches only ``slots`` (the anchor and the
+        accepted path, in order), so the caches hold the committed tokens and nothing else."""
+        index = torch.tensor(slots, device=self.tokens.device)
+        keep_cache_slots(self.cache, self.cache_mask.shape[1], index)
+        self.cache_mask = torch.cat([self.cache_mask, self.cache_mask.new_ones(1, len(slots))], dim=1)
+        self.context.extend(fused[:, index], positions[:, index], torch.ones_like(index, dtype=torch.bool)[None])
 
     def compact(self) -> torch.Tensor:
         """Drop the finished rows from the batch and both caches (they stop costing verify and draft work):
@@ -500,6 +512,129 @@ def accept(
     return kept
 
 
+@dataclass
+class TreeSchedule:
+    """Token-tree rounds for a call with one row (``settings.tree_top_k`` > 1): the proposers, how many nodes a
+    round verifies (``verify_limit``, ``None``: γ · ``tree_top_k``), and when not to draft.
+
+    ``fixed`` verifies the most valuable nodes up to the limit; ``threshold`` those worth at least
+    ``confidence_threshold``; ``scheduled``/``async`` run Algorithm 1 over the nodes: admit them in order of value
+    (parents first) while Θ(B) = (1 + Σ values) · SPS(1 + B) rises, stop at the first that does not raise it, with
+    the tree's drafting cost added to every step. A drafted round that was not worth a plain step in expectation
+    turns drafting off for ``backoff`` rounds (doubling, as for chains); lookup branches, which cost nothing to
+    draft, are still verified then."""
+
+    settings: DecodeSettings
+    draft_tokens: int
+    proposers: list
+    lookup: LookupProposer | None
+    sps: SPSProfile | None = None
+    drafting: float = 0.0
+    backoff: int = 0
+    skip: int = 0
+
+    @property
+    def budget(self) -> int:
+        s = self.settings
+        return s.verify_limit if s.verify_limit is not None else self.draft_tokens * s.tree_top_k
+
+    @property
+    def priced(self) -> bool:
+        return self.settings.verify_mode in ("scheduled", "async")
+
+    def price(self, draft, target) -> None:
+        if self.priced:
+            self.sps = sps_profile(draft, target, 1, max_width=self.budget + 1)
+            self.drafting = tree_draft_seconds(draft, self.settings.tree_top_k)
+
+    def request(self, state: DecodeState, max_length: int, processors) -> TreeRequest:
+        room = state.room(max(self.draft_tokens, self.lookup.max_tokens if self.lookup else 0), max_length)[0]
+        request = TreeRequest(state.history(0), state.anchor_positions[0], room, self.budget, processors, not self.skip)
+        self.skip = max(self.skip - 1, 0)
+        return request
+
+    def select(self, tree: TokenTree, request: TreeRequest) -> list[int]:
+        s, ranked = self.settings, tree.ranked(request.max_depth)[: self.budget]
+        if s.verify_mode == "threshold":
+            ranked = [n for n in ranked if tree.values[n] >= s.confidence_threshold]
+        elif self.priced:
+            sps = self.sps.plus_seconds(self.drafting if request.draft else 0.0)
+            tau, theta, chosen = 1.0, sps(1), 0
+            for B, node in enumerate(ranked, start=1):
+                tau += tree.values[node]
+                if tau * sps(1 + B) <= theta:
+                    break
+                theta, chosen = tau * sps(1 + B), B
+            ranked = ranked[:chosen]
+            if request.draft:  # back off when this drafted round is not worth a plain step in expectation
+                pays = theta > self.sps(1) and chosen > 0
+                self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
+                self.skip = self.backoff
+        return sorted(ranked, key=lambda n: (tree.depths[n], n))
+
+    def observe(self, verified: VerifiedTree, path: list[int]) -> list[tuple[float, bool, bool]]:
+        """After the walk: the lookup rate learns from the looked-up nodes the walk could have taken. -> the verified
+        draft nodes whose parent the walk reached: (edge value, top child, taken), for the stats."""
+        tree, on_path = verified.tree, {0, *path}
+        edges, reached, accepted = [], 0, 0
+        for s, node in enumerate(verified.nodes, start=1):
+            if verified.parent_slots[s] not in on_path:
+                continue
+            if "draft" in tree.sources[node]:
+                edges.append((tree.edges[node], tree.top[node], s in on_path))
+            if "lookup" in tree.sources[node]:
+                reached, accepted = reached + 1, accepted + (s in on_path)
+        if self.lookup is not None:
+            self.lookup.observe(reached, accepted)
+        return edges
+
+
+def tree_round(state: DecodeState, schedule: TreeSchedule, target, cache, tap, rules: Rules, outputs: Outputs,
+               max_length: int) -> None:  # fmt: skip
+    """One round of a one-row call: propose a tree, verify the chosen nodes in one forward (ancestor mask, depth
+    positions), walk the accepted path exactly, keep that path in both caches."""
+    request = schedule.request(state, max_length, rules.processors)
+    tree = propose_tree(schedule.proposers, request)
+    verified = VerifiedTree.of(tree, schedule.select(tree, request))
+    outputs.stats.verify_rounds.append([verified.size])
+    device, anchor = state.tokens.device, int(request.history[-1])
+    tokens = verified.tokens(anchor, device)
+    positions = verified.positions(int(request.anchor_position), device)
+    mask = verified.attention_mask(state.cache_mask, target.dtype)
+    out, fused = target_forward(target, tokens, positions, mask, cache, tap)
+    raw = out.logits[0].float() if out.logits.dtype != torch.float64 else out.logits[0]
+    check_finite(raw)
+    result = walk(verified, raw, request.history, rules.processors, rules.do_sample)
+    n = len(result.slots)
+    new = torch.cat([tokens[0, result.slots], result.next_token[None]])
+    committed = state.commit(0, new, result.scores, rules.stopping)
+    edges = schedule.observe(verified, result.slots)
+    looked_up = any("lookup" in tree.sources[verified.nodes[s - 1]] for s in result.slots)
+    outputs.stats.record(verified.size, n, committed, None, looked_up, verified.depth(), edges)
+    if outputs.wanted:
+        outputs.emit(new[:committed], result.scores, raw[[0, *result.slots]])
+    state.anchor_positions[0] += n + 1
+    if not state.finished[0]:
+        state.keep_path([0, *result.slots], fused, positions)
+
+
+def tree_schedule(draft, target, cache, settings: DecodeSettings, rows: int, stats: DSparkStats) -> TreeSchedule | None:
+    """The call's :class:`TreeSchedule`, or ``None`` (chains) when it did not ask for trees or cannot have them;
+    the reason for the latter goes to ``stats.tree_fallback``."""
+    if settings.tree_top_k == 1:
+        return None
+    reason = "batches of several rows verify chains" if rows > 1 else tree_refusal(target, cache)
+    if reason is not None:
+        stats.tree_fallback = reason
+        return None
+    lookup = None
+    if settings.lookup_max_ngram > 0:
+        cap = settings.lookup_max_tokens or draft.config.num_draft_tokens
+        lookup = LookupProposer(settings.lookup_max_ngram, settings.lookup_min_ngram, cap)
+    proposers = [DraftTreeProposer(draft, None, settings.tree_top_k), *([lookup] if lookup else [])]
+    return TreeSchedule(settings, draft.config.num_draft_tokens, proposers, lookup)
+
+
 @torch.no_grad()
 def dspark_decode(
     target,
@@ -538,7 +673,15 @@ def dspark_decode(
     schedule = Schedule(settings or DecodeSettings.resolve(draft), draft.config.num_draft_tokens)
     with LayerTap(target, draft) as tap:
         state = prefill(target, draft, input_ids, model_kwargs, cache, tap, rules, g.max_length, pad_id, outputs)
-        schedule.price(draft, target, state.size, g.do_sample)
+        trees = tree_schedule(draft, target, cache, schedule.settings, batch, stats)
+        if trees is not None:
+            trees.proposers[0].context = state.context
+            trees.price(draft, target)
+        else:
+            schedule.price(draft, target, state.size, g.do_sample)
+        while trees is not None and state.active:
+            stats.round_rows.append([state.rows[0]])
+            tree_round(state, trees, target, cache, tap, rules, outputs, g.max_length)
         while state.active:
             stats.round_rows.append([state.rows[r] for r in state.active])
             plan = schedule.plan(state, g.max_length)

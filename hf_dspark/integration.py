@@ -76,6 +76,7 @@ def dspark_generate(
     lookup_max_tokens: int | None = None,
     lookup_adaptive: bool | None = None,
     confidence_recalibration: bool | None = None,
+    tree_top_k: int | None = None,
     **model_kwargs,
 ):
     """DSpark decoding as a ``custom_generate`` callable: ``target.generate(**inputs,
@@ -85,7 +86,7 @@ def dspark_generate(
     criteria, generation config and model kwargs (attention mask, cache), plus the keywords this signature declares:
     ``draft``, and this call's settings (``verify_mode``, ``verify_limit``, ``confidence_threshold``,
     ``lookup_max_ngram``, ``lookup_min_ngram``, ``lookup_max_tokens``, ``lookup_adaptive``,
-    ``confidence_recalibration``; ``None``: the draft's saved config, which is never changed).
+    ``confidence_recalibration``, ``tree_top_k``; ``None``: the draft's saved config, which is never changed).
     Returns what :func:`dspark_decode` returns: sequences [R, P + new], or a ``DSparkGenerateOutput`` (with this
     call's ``dspark_stats``) with ``return_dict_in_generate=True``.
 
@@ -106,7 +107,7 @@ def dspark_generate(
     settings = DecodeSettings.resolve(
         draft, verify_mode=verify_mode, verify_limit=verify_limit, confidence_threshold=confidence_threshold,
         lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram, lookup_max_tokens=lookup_max_tokens,
-        lookup_adaptive=lookup_adaptive, confidence_recalibration=confidence_recalibration,
+        lookup_adaptive=lookup_adaptive, confidence_recalibration=confidence_recalibration, tree_top_k=tree_top_k,
     )  # fmt: skip
     return dspark_decode(
         model, input_ids, logits_processor, stopping_criteria, generation_config, draft=draft,

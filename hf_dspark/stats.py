@@ -18,6 +18,11 @@ class DSparkStats:
     batch indices of those rows (rows leave the batch when they finish). ``looked_up[i]`` says whether entry i
     verified a lookup continuation (``DSparkConfig.lookup_max_ngram``) rather than the draft's block; τ and the
     per-position acceptance count both kinds.
+
+    Token trees (``tree_top_k`` > 1): ``proposed[i]`` counts the tree's nodes verified, ``depths[i]`` its deepest
+    node's depth (a chain's depth is its length), and ``tree_edges[i]`` lists, for each verified node whose parent
+    was on the accepted path, (its edge value, whether it was the draft's top child, whether the target took it):
+    the data of the values' calibration. ``tree_fallback`` says why a call that asked for trees verified chains.
     """
 
     num_draft_tokens: int  # the most draft tokens a drafted entry verifies (a lookup continuation may verify more)
@@ -28,9 +33,15 @@ class DSparkStats:
     verify_rounds: list[list[int]] = field(default_factory=list)  # per round: ℓ chosen for each active row
     round_rows: list[list[int]] = field(default_factory=list)  # per round: the batch index of each active row
     looked_up: list[bool] = field(default_factory=list)  # per entry: verified a lookup continuation, not a draft
+    depths: list[int] = field(default_factory=list)  # per entry: the deepest verified slot (a chain: ℓ)
+    tree_edges: list[list[tuple[float, bool, bool]] | None] = field(default_factory=list)
+    tree_fallback: str | None = None
 
     def record(self, proposed: int, accepted: int, committed: int, confidences: list[float] | None = None,
-               looked_up: bool = False) -> None:  # fmt: skip
+               looked_up: bool = False, depth: int | None = None,
+               tree_edges: list[tuple[float, bool, bool]] | None = None) -> None:  # fmt: skip
+        self.depths.append(proposed if depth is None else depth)
+        self.tree_edges.append(tree_edges)
         self.proposed.append(proposed)
         self.accepted.append(accepted)
         self.committed.append(committed)
@@ -48,15 +59,15 @@ class DSparkStats:
 
     def position_acceptance(self) -> list[float | None]:
         """Conditional acceptance per position k = 1..num_draft_tokens: P(k accepted | 1..k-1 accepted and k was
-        verified).
+        verified) (a tree counts as verifying position k when it reaches depth k).
 
         ``None`` where no round reached position k. Positions past num_draft_tokens, which only lookup
         continuations reach (``lookup_max_tokens``), are not reported.
         """
         out = []
         for k in range(1, self.num_draft_tokens + 1):
-            reached = sum(1 for p, a in zip(self.proposed, self.accepted, strict=True) if p >= k and a >= k - 1)
-            passed = sum(1 for p, a in zip(self.proposed, self.accepted, strict=True) if p >= k and a >= k)
+            reached = sum(1 for p, a in zip(self.depths, self.accepted, strict=True) if p >= k and a >= k - 1)
+            passed = sum(1 for p, a in zip(self.depths, self.accepted, strict=True) if p >= k and a >= k)
             out.append(passed / reached if reached else None)
         return out
 
@@ -71,4 +82,6 @@ class DSparkStats:
             "verify_rounds": self.verify_rounds,
             "round_rows": self.round_rows,
             "looked_up": self.looked_up,
+            "depths": self.depths,
+            "tree_fallback": self.tree_fallback,
         }

@@ -216,7 +216,7 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
     extras = {"sts_temperatures": c.sts_temperatures, "verify_mode": c.verify_mode,
               "lookup_max_ngram": c.lookup_max_ngram, "lookup_min_ngram": c.lookup_min_ngram,
               "lookup_max_tokens": c.lookup_max_tokens, "lookup_adaptive": c.lookup_adaptive,
-              "confidence_recalibration": c.confidence_recalibration,
+              "confidence_recalibration": c.confidence_recalibration, "tree_top_k": c.tree_top_k,
               "target_num_layers": c.target_num_layers}  # fmt: skip
     (folder / EXTRAS).write_text(json.dumps(extras, indent=2) + "\n")
     return folder

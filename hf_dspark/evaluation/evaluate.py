@@ -67,6 +67,7 @@ def summarize(stats: list[DSparkStats], seconds: float = 0.0, new_tokens: int = 
         merged.proposed += s.proposed
         merged.accepted += s.accepted
         merged.committed += s.committed
+        merged.depths += s.depths
     proposed = sum(merged.proposed)
     return {
         "prompts": len(stats),

@@ -1,0 +1,118 @@
+"""Token trees against chains, same weights: τ and speed on the shipped eval sets, side by side in one run.
+
+    python benchmarks/token_trees.py [--datasets humaneval gsm8k mt-bench] [--limit 30] [--max-new-tokens 96]
+        [--top-k 2 4] [--threads 2] [--out benchmarks/results/token_trees]
+
+The embedded SmolLM2 target and the shipped draft, greedy, in float32 on a CPU without bfloat16 units (forced to
+float32 everywhere, so the numbers are comparable across machines), 128 new tokens by default. Methods, interleaved
+prompt by prompt through ``hf-dspark bench``'s loop (every output checked against plain greedy):
+
+    plain, prompt-lookup       transformers' own (``prompt_lookup_num_tokens=10``)
+    chain-fixed                the draft alone, γ = 8 verified every round (the τ baseline)
+    treeK-fixed                the draft alone, a tree of top-K children per node, at most 8·K nodes per round
+    chain-scheduled+lookup     the shipped configuration before trees (scheduled, lookup replaces the block)
+    treeK-scheduled+lookup     trees with lookup branches, nodes chosen by the scheduler
+
+Also reports the calibration of the trees' node values (expected calibration error over 10 bins, top children and
+the others apart) from ``dspark_stats.tree_edges``. Prints tables and writes ``<out>/token_trees.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import hf_dspark
+from hf_dspark import DSparkDraftModel
+from hf_dspark.embedded import DRAFT_DIR, load_target
+from hf_dspark.evaluation.bench import Method, bench, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ece(pairs: list[tuple[float, bool]], bins: int = 10) -> float | None:
+    """Expected calibration error of (predicted probability, outcome) pairs over equal-width bins."""
+    if not pairs:
+        return None
+    total = 0.0
+    for b in range(bins):
+        inside = [(p, y) for p, y in pairs if b / bins <= p < (b + 1) / bins or (b == bins - 1 and p == 1.0)]
+        if inside:
+            total += abs(sum(p for p, _ in inside) - sum(y for _, y in inside))
+    return total / len(pairs)
+
+
+def methods(target, draft, top_ks: list[int], edges: dict[str, list]) -> list[Method]:
+    gamma = draft.config.num_draft_tokens
+
+    def dspark(name: str, **settings) -> Method:
+        def run(ids, **kw):
+            out = target.generate(ids, custom_generate=hf_dspark.dspark_generate, draft=draft, **settings, **kw)
+            edges.setdefault(name, []).extend(e for entry in draft.stats.tree_edges if entry for e in entry)
+            return out
+
+        return Method(name, run, draft)
+
+    chosen = [
+        Method("plain", lambda ids, **kw: target.generate(ids, **kw)),
+        Method(
+            "prompt-lookup", lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=10, **kw), baseline=True
+        ),
+        dspark("chain-fixed", verify_mode="fixed", verify_limit=gamma, lookup_max_ngram=0, tree_top_k=1),
+    ]
+    for k in top_ks:
+        chosen.append(dspark(f"tree{k}-fixed", verify_mode="fixed", verify_limit=gamma * k, lookup_max_ngram=0,
+                             tree_top_k=k))  # fmt: skip
+    chosen.append(dspark("chain-scheduled+lookup", verify_mode="scheduled", tree_top_k=1))
+    for k in top_ks:
+        chosen.append(dspark(f"tree{k}-scheduled+lookup", verify_mode="scheduled", tree_top_k=k))
+    return chosen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench"])
+    ap.add_argument("--limit", type=int, default=30)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--top-k", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "token_trees")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(torch.float32)
+    draft = DSparkDraftModel.from_pretrained(args.draft).attach(target).eval()
+    edges: dict[str, list] = {}
+    chosen = methods(target, draft, args.top_k, edges)
+    args.out.mkdir(parents=True, exist_ok=True)
+    setting = {"draft": str(args.draft), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+               "top_k": args.top_k, "dtype": "float32", "threads": args.threads}  # fmt: skip
+    results, calibration = [], {}
+    for dataset in args.datasets:
+        edges.clear()
+        result = bench(target, tokenizer, chosen, dataset, limit=args.limit, max_new_tokens=args.max_new_tokens)
+        results.append(result)
+        calibration[dataset] = {
+            name: {
+                "top": ece([(v, y) for v, top, y in pairs if top]),
+                "other": ece([(v, y) for v, top, y in pairs if not top]),
+                "nodes_top": sum(1 for _, top, _ in pairs if top),
+                "nodes_other": sum(1 for _, top, _ in pairs if not top),
+                "taken_other": sum(1 for _, top, y in pairs if y and not top),
+            }
+            for name, pairs in edges.items()
+            if pairs
+        }
+        print(markdown_table(results[-1:]), flush=True)
+        print(json.dumps(calibration[dataset], indent=1), flush=True)
+        (args.out / "token_trees.json").write_text(
+            json.dumps({"setting": setting, "results": results, "calibration": calibration}, indent=1)
+        )
+    print(markdown_table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Proposers: where a token tree's candidates come from. Each one adds its continuations to the round's
+:class:`~hf_dspark.tree.TokenTree` through one method,
+
+    proposer.propose(tree, request)
+
+and :func:`propose_tree` merges them (shared prefixes become one node), so one verify covers all of them. Adding a
+proposer is one class here.
+
+    DraftTreeProposer   one backbone pass of the draft, then the sequential head expanded node by node
+    LookupProposer      what followed the last earlier occurrence of the row's recent tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers.generation import LogitsProcessorList
+
+from .drafting import DraftContext, draft_backbone
+from .lookup import lookup_continuation
+from .modeling_dspark import DSparkDraftModel
+from .tree import TokenTree
+from .verify import process
+
+
+@dataclass
+class TreeRequest:
+    """What a round asks of the proposers for one row: its ``history`` [T] (committed tokens, the anchor last), the
+    anchor's position, the deepest node any proposer may add (``max_depth``: the room left before ``max_length``,
+    within the draft's block), the node budget the round may verify, and the call's logits processors."""
+
+    history: torch.Tensor
+    anchor_position: torch.Tensor
+    max_depth: int
+    budget: int
+    logits_processor: LogitsProcessorList
+    draft: bool = True  # False in rounds the schedule backs off from drafting
+
+
+class Proposer(Protocol):
+    def propose(self, tree: TokenTree, request: TreeRequest) -> None: ...
+
+
+@dataclass
+class DraftTreeProposer:
+    """The draft's tree: one backbone pass gives every slot's base logits U_k and hidden state h_k; the sequential
+    head, which is the only part that depends on the tokens already in the block, is then evaluated once per
+    expanded node (its own previous token, its own RNN state), so children of any node cost one low-rank head step.
+
+    At depth k the ``beam`` most valuable nodes of depth k - 1 are expanded into their ``top_k`` most likely
+    tokens (under the draft's processed distribution q). A child's edge value is the confidence head's c_k for
+    the parent's top child (the probability that the target keeps the draft's choice) and
+    (1 - c_k) · q(x) / (1 - q(top)) for the others (the rest of the mass, shared as the draft shares it); without
+    a confidence head, q(x). Expansion stops early once ``budget`` nodes are already worth more than any node
+    still to come (values only fall along paths)."""
+
+    draft: DSparkDraftModel
+    context: DraftContext
+    top_k: int
+    beam: int | None = None
+    confidences: list[float] = field(default_factory=list)
+
+    def propose(self, tree: TokenTree, request: TreeRequest) -> None:
+        if not request.draft or request.max_depth == 0:
+            return
+        draft, device = self.draft, request.history.device
+        anchor = request.history[-1:]
+        out = draft_backbone(draft, self.context, anchor, request.anchor_position.reshape(1))
+        logits, hidden = out.logits[0], out.hidden_states[0]
+        head, conf_head = draft.sequential_head, draft.confidence
+        rows = draft.head_full_rows()
+        temps, offset = draft.config.sts_temperatures, draft.config.draft_offset
+        depth = min(request.max_depth, draft.config.num_draft_tokens)
+        beam = self.beam or self.top_k
+        frontier, paths, state = [-1], [anchor], None  # nodes to expand, their paths' tokens, their head states
+        for k in range(depth):
+            slot = k + offset
+            prev = torch.stack([p[-1] for p in paths])
+            h_k = hidden[slot].expand(len(frontier), -1)
+            step = logits[slot].expand(len(frontier), -1)
+            feature = None
+            if head is not None:
+                bias, feature, state = head.step(prev, h_k, state, rows=rows)
+                if draft.head_enabled:
+                    step = step + bias
+            step = step.to(torch.float32 if step.dtype != torch.float64 else step.dtype)
+            if request.logits_processor:
+                step = torch.cat(
+                    [
+                        process(request.logits_processor, torch.cat([request.history, p[1:]])[None], step[i : i + 1])
+                        for i, p in enumerate(paths)
+                    ]
+                )
+            q = torch.softmax(step, dim=-1)
+            q_top, x_top = q.topk(min(self.top_k, q.shape[-1]), dim=-1)
+            edges = q_top.double()
+            if conf_head is not None:
+                c = conf_head.calibrated(conf_head.logit(h_k, feature), temps[k] if temps else None).double()
+                rest = (1 - edges[:, :1]).clamp_min(1e-12)
+                edges = torch.cat([c[:, None], (1 - c[:, None]) * (edges[:, 1:] / rest).clamp(max=1)], dim=1)
+            children = []
+            for i, parent in enumerate(frontier):
+                for j in range(x_top.shape[1]):
+                    node = tree.add(parent, int(x_top[i, j]), float(edges[i, j]), "draft", top=j == 0)
+                    children.append((tree.values[node], node, i, j))
+            children.sort(key=lambda c: -c[0])
+            kept = [c for c in children[:beam] if c[0] > 0]
+            ranked = sorted(tree.values, reverse=True)
+            if not kept or (len(ranked) >= request.budget and ranked[request.budget - 1] >= kept[0][0]):
+                break  # no deeper node could enter the round's best `budget`
+            frontier = [node for _, node, _, _ in kept]
+            paths = [torch.cat([paths[i], x_top[i, j : j + 1]]) for _, _, i, j in kept]
+            if state is not None:
+                state = state[torch.tensor([i for _, _, i, _ in kept], device=device)]
+
+
+@dataclass
+class LookupProposer:
+    """Lookup drafting as a branch: the continuation of the row's last n-gram's latest earlier occurrence
+    (:func:`~hf_dspark.lookup.lookup_continuation`), each token valued by ``rate``, the call's observed conditional
+    acceptance of looked-up tokens (a node k deep is worth rate^k)."""
+
+    max_ngram: int
+    min_ngram: int
+    max_tokens: int
+    accepted: float = 1.0  # a Beta(1, 1) prior on the per-token acceptance
+    reached: float = 2.0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.reached
+
+    def propose(self, tree: TokenTree, request: TreeRequest) -> None:
+        room = min(self.max_tokens, request.max_depth)
+        found = lookup_continuation(request.history, self.max_ngram, self.min_ngram, room)
+        if found.numel():
+            tree.add_path(found.tolist(), [self.rate] * found.shape[0], "lookup")
+
+    def observe(self, reached: int, accepted: int) -> None:
+        """``reached`` looked-up nodes whose parent was on the accepted path, ``accepted`` of them kept."""
+        self.reached += reached
+        self.accepted += accepted
+
+
+def propose_tree(proposers: list[Proposer], request: TreeRequest) -> TokenTree:
+    """One tree with every proposer's candidates, shared prefixes merged."""
+    tree = TokenTree()
+    for proposer in proposers:
+        proposer.propose(tree, request)
+    return tree

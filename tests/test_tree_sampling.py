@@ -1,0 +1,95 @@
+"""Token trees sample exactly: the first generated tokens follow the target's processed distribution (chi-square,
+α = 1e-3, as in test_sampling.py), whatever the tree's children, and a biased walk is caught."""
+
+import pytest
+import torch
+from helpers import ALPHA, CASES, VOCAB, chi_square_pvalue, exact_distribution, processors, sample_counts
+from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from hf_dspark import DSparkDraftModel, generation
+from hf_dspark.testing import tiny_target
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    torch.set_num_threads(1)
+    return tiny_target("llama", vocab_size=VOCAB, dtype=torch.float64, seed=3, tie_word_embeddings=False)
+
+
+def _sampling_draft(target, head="markov"):
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=4)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        if draft.sequential_head is not None:
+            draft.sequential_head.markov_w2.weight.normal_(0, 2.0)
+    return draft
+
+
+def _tree_nodes_taken(draft):
+    return draft.seen["accepted"], draft.seen["proposed"]
+
+
+@pytest.mark.parametrize(("case", "top_k"), [("temperature", 2), ("top-k-top-p", 3)])
+def test_tree_sampling_matches_target_distribution(small_target, case, top_k):
+    kw = CASES[case]
+    draft = _sampling_draft(small_target)
+    probs = exact_distribution(small_target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
+    counts = sample_counts(small_target, draft, {**kw, "tree_top_k": top_k, "verify_mode": "fixed"},
+                           custom_generate=True)  # fmt: skip
+    assert chi_square_pvalue(counts, probs) > ALPHA
+    accepted, proposed = _tree_nodes_taken(draft)
+    assert 0 < accepted < proposed
+
+
+def test_tree_sampling_with_repetition_penalty_matches_target_distribution(small_target):
+    draft = _sampling_draft(small_target, head="rnn")
+    procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.8), *processors(1.0)])
+    probs = exact_distribution(small_target, procs)
+    counts = sample_counts(small_target, draft, {"repetition_penalty": 1.8, "temperature": 1.0, "top_k": 0,
+                           "tree_top_k": 2, "verify_mode": "fixed"}, custom_generate=True)  # fmt: skip
+    assert chi_square_pvalue(counts, probs) > ALPHA
+
+
+def test_tree_sampling_is_exact_when_the_drafts_children_miss_the_targets_mass(small_target):
+    """Adversarial: the draft's top children are the target's least likely tokens at the prompt; the walk then
+    rarely descends, and the committed tokens still follow the target exactly."""
+    draft = DSparkDraftModel.from_target(small_target, block_size=4, head_type="none", confidence_head=False)
+    with torch.no_grad():
+        first = small_target(torch.tensor([[1, 4, 2]])).logits[0, -1]
+    original = draft.forward
+
+    def reversed_preferences(block_embeds, block_positions, context, attention_mask=None, compute_logits=True,
+                             context_positions=None):  # fmt: skip
+        out = original(block_embeds, block_positions, context, attention_mask, compute_logits)
+        out.logits = (-10 * first).to(out.logits).expand_as(out.logits).clone()
+        return out
+
+    draft.forward = reversed_preferences
+    kw = CASES["temperature"]
+    probs = exact_distribution(small_target, processors(kw["temperature"]))
+    counts = sample_counts(small_target, draft, {**kw, "tree_top_k": 2, "verify_mode": "fixed"},
+                           custom_generate=True)  # fmt: skip
+    assert chi_square_pvalue(counts, probs) > ALPHA
+    accepted, proposed = _tree_nodes_taken(draft)
+    assert accepted < 0.1 * proposed
+
+
+def test_a_walk_that_favours_the_top_child_is_detected(small_target, monkeypatch):
+    """Guard: descending into the draft's first child whenever the target's choice is any child (a plausible
+    bug) changes the distribution, and the chi-square test sees it."""
+    real_walk = generation.walk
+
+    def biased(verified, raw, history, procs, do_sample):
+        result = real_walk(verified, raw, history, procs, do_sample)
+        if result.slots:
+            first = min(s for (p, _), s in verified.children.items() if p == 0)
+            return type(result)([first], result.next_token, result.scores[:2])
+        return result
+
+    monkeypatch.setattr(generation, "walk", biased)
+    kw = CASES["temperature"]
+    draft = _sampling_draft(small_target)
+    probs = exact_distribution(small_target, processors(kw["temperature"]))
+    counts = sample_counts(small_target, draft, {**kw, "tree_top_k": 3, "verify_mode": "fixed"},
+                           custom_generate=True)  # fmt: skip
+    assert chi_square_pvalue(counts, probs) < ALPHA
