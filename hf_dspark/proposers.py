@@ -67,10 +67,14 @@ class DraftTreeProposer:
             return
         draft, device = self.draft, request.history.device
         anchor = request.history[-1:]
-        out = draft_backbone(draft, self.context, anchor, request.anchor_position.reshape(1))
-        logits, hidden = out.logits[0], out.hidden_states[0]
+        # without processors and with a draft vocabulary, children are chosen inside it: the LM head and the head's
+        # bias cover len(draft_vocab) columns, not V (the processors need the whole vocabulary)
+        subset = not request.logits_processor and draft.draft_vocab is not None
+        out = draft_backbone(draft, self.context, anchor, request.anchor_position.reshape(1), not subset)
+        hidden = out.hidden_states[0]
+        logits = draft.draft_vocab_logits(hidden) if subset else out.logits[0]
         head, conf_head = draft.sequential_head, draft.confidence
-        rows = draft.head_full_rows()
+        rows = draft.head_vocab_rows() if subset else draft.head_full_rows()
         temps, offset = draft.config.sts_temperatures, draft.config.draft_offset
         depth = min(request.max_depth, draft.config.num_draft_tokens)
         beam = self.beam or self.top_k
@@ -95,6 +99,8 @@ class DraftTreeProposer:
                 )
             q = torch.softmax(step, dim=-1)
             q_top, x_top = q.topk(min(self.top_k, q.shape[-1]), dim=-1)
+            if subset:
+                x_top = draft.draft_vocab[x_top]
             edges = q_top.double()
             if conf_head is not None:
                 c = conf_head.calibrated(conf_head.logit(h_k, feature), temps[k] if temps else None).double()

@@ -313,3 +313,40 @@ def test_tree_top_k_is_validated_by_name():
             _tree_generate(target, draft, _prompt(), max_new_tokens=4, tree_top_k=bad)
     with pytest.raises(ValueError, match="tree_top_k must be an int >= 1"):
         DSparkConfig(tree_top_k=0)
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_a_draft_vocabulary_gives_the_same_tree_without_the_full_vocabulary(head):
+    """Without processors, the tree proposer chooses children inside the draft vocabulary (LM head and head bias
+    over its rows only): the same nodes, values and tokens as the full-vocabulary path, which processors take."""
+    from transformers.generation import LogitsProcessor
+
+    from hf_dspark.drafting import DraftContext
+    from hf_dspark.proposers import DraftTreeProposer, TreeRequest
+
+    class Identity(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores
+
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 3.0)
+    draft.set_draft_vocab(list(range(3, 96, 3)))
+    trees = []
+    for processors in (LogitsProcessorList(), LogitsProcessorList([Identity()])):
+        ctx = DraftContext.empty(draft, 1, torch.device("cpu"))
+        feats = draft.fuse_context(torch.randn(1, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64,
+                                               generator=torch.Generator().manual_seed(0)))  # fmt: skip
+        ctx.extend(feats, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
+        tree = TokenTree()
+        request = TreeRequest(torch.tensor([7, 8, 9, 10, 11, 12, 13]), torch.tensor(6), 4, 100, processors)
+        DraftTreeProposer(draft, ctx, top_k=3).propose(tree, request)
+        trees.append(tree)
+    subset, full = trees
+    assert len(subset) > 3 and subset.tokens == full.tokens and subset.parents == full.parents
+    assert subset.values == pytest.approx(full.values, rel=1e-9)
+    assert set(subset.tokens) <= set(range(3, 96, 3))
+    ids = _prompt(4)
+    ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+    assert _tree_generate(target, draft, ids, max_new_tokens=16, tree_top_k=3).tolist() == ref.tolist()
