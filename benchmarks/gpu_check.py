@@ -6,10 +6,11 @@ No network and no download: the target is a randomly initialised Qwen3-0.6B-shap
 dry run), the draft a ``from_target`` draft. Sections:
 
 1. kernels (CUDA only): ``benchmarks/kernels_gpu.py``'s correctness and time per step of the fused head step.
-2. decode, float32: DSpark greedy output equals plain ``generate`` on every prompt.
+2. decode, float32: DSpark greedy output equals plain ``generate`` on every prompt, with chains and top-4 trees.
 3. decode, bfloat16: outputs that part from plain greedy do so only at near-ties (``hf_dspark.evaluation.ties``).
-4. costs: the SPS profile measured on the device, the draft block's time against a verify step, and the peak
-   memory of plain and DSpark ``generate`` with the draft's weights (CUDA allocator; skipped on CPU).
+4. costs: the SPS profile measured on the device, the draft block's time against a verify step, a token tree's
+   verify (B up to 64 nodes) and drafting cost, and the peak memory of plain and DSpark ``generate`` with the
+   draft's weights (CUDA allocator; skipped on CPU).
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` and prints a one-screen summary. Anything that needs
 CUDA is reported as skipped, with the reason, where there is none: the same script is the CPU dry run.
@@ -81,18 +82,27 @@ def decode_check(shape: str, device: str, dtype: torch.dtype, n: int, new_tokens
         out = target.generate(ids, max_new_tokens=new_tokens, do_sample=False, custom_generate=dspark_generate,
                               draft=draft)  # fmt: skip
         found = first_divergence(target, out, ref, upcast, prompt_len=ids.shape[1])
+        tree = target.generate(ids, max_new_tokens=new_tokens, do_sample=False, custom_generate=dspark_generate,
+                               draft=draft, tree_top_k=4)  # fmt: skip
+        tree_found = first_divergence(target, tree, ref, upcast, prompt_len=ids.shape[1])
         rows.append({
             "prompt_tokens": ids.shape[1], "identical": found is None, "rounds": draft.stats.rounds,
             "difference": None if found is None else found.describe(), "tie": None if found is None else found.tie,
+            "tree_identical": tree_found is None, "tree_tie": None if tree_found is None else tree_found.tie,
+            "tree_fallback": draft.stats.tree_fallback,
         })  # fmt: skip
-    ok = all(r["identical"] for r in rows) if exact else all(r["identical"] or r["tie"] for r in rows)
+    ok = (
+        all(r["identical"] and r["tree_identical"] for r in rows)
+        if exact
+        else all((r["identical"] or r["tie"]) and (r["tree_identical"] or r["tree_tie"]) for r in rows)
+    )
     return {"dtype": str(dtype).removeprefix("torch."), "ok": ok, "prompts": rows}
 
 
 def cost_check(shape: str, device: str, new_tokens: int) -> dict:
     """SPS profile on the device, draft block vs verify step, and peak memory of generate (CUDA)."""
     from hf_dspark import dspark_generate
-    from hf_dspark.costs import draft_seconds, sps_profile
+    from hf_dspark.costs import draft_seconds, sps_profile, tree_draft_seconds
 
     target, draft = build(shape, device, torch.bfloat16 if device == "cuda" else torch.float32)
     t0 = time.perf_counter()
@@ -101,8 +111,12 @@ def cost_check(shape: str, device: str, new_tokens: int) -> dict:
     gamma = draft.config.num_draft_tokens
     verify_ms = {B: 1e3 / profile(B) for B in (1, 1 + gamma)}
     block_ms = 1e3 * draft_seconds(draft, 1)
+    # token trees: a verify of up to 64 nodes (the scheduler's profile out to 65 slots), and a tree's drafting
+    wide = sps_profile(draft, target, 1, max_width=65)
+    tree_verify_ms = {B: 1e3 / wide(B) for B in (1, 9, 17, 33, 65)}
     result = {
         "sps_profile_seconds": profile_seconds, "verify_ms": verify_ms, "draft_block_ms": block_ms,
+        "tree_verify_ms": tree_verify_ms, "tree4_draft_ms": 1e3 * tree_draft_seconds(draft, 4),
         "draft_block_over_one_token_step": block_ms / verify_ms[1],
         "draft_weights_mb": sum(p.numel() * p.element_size() for p in draft.parameters()) / 2**20,
     }  # fmt: skip
@@ -140,13 +154,17 @@ def markdown(report: dict) -> str:
             lines.append(f"- {key}: skipped ({d['skipped']})")
             continue
         same = sum(r["identical"] for r in d["prompts"])
-        lines.append(f"- {key}: {'OK' if d['ok'] else 'FAILED'}: {same}/{len(d['prompts'])} identical to plain")
+        trees = sum(r["tree_identical"] for r in d["prompts"])
+        lines.append(f"- {key}: {'OK' if d['ok'] else 'FAILED'}: {same}/{len(d['prompts'])} identical to plain "
+                     f"(top-4 trees: {trees}/{len(d['prompts'])})")  # fmt: skip
         lines += [f"  - {r['difference']}" for r in d["prompts"] if r["difference"]]
     c = report["costs"]
     lines.append(f"- SPS profile measured in {c['sps_profile_seconds']:.1f} s; verify step "
                  + ", ".join(f"B={b}: {ms:.2f} ms" for b, ms in c["verify_ms"].items())
                  + f"; draft block {c['draft_block_ms']:.2f} ms ({c['draft_block_over_one_token_step']:.2f}× a "
                  f"one-token step); draft weights {c['draft_weights_mb']:.1f} MB")  # fmt: skip
+    lines.append("- token trees: verify step " + ", ".join(f"B={b}: {ms:.2f} ms" for b, ms in
+                 c["tree_verify_ms"].items()) + f"; a top-4 tree's drafting {c['tree4_draft_ms']:.2f} ms")  # fmt: skip
     pm = c["peak_memory"]
     if "skipped" in pm:
         lines.append(f"- peak memory: skipped ({pm['skipped']})")

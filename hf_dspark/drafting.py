@@ -33,7 +33,7 @@ class DraftContext:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     valid: torch.Tensor  # [R, L] bool: False for padding and rejected slots (flushed slots only)
-    positions: torch.Tensor  # [R, L] sequence position of each flushed entry (read by sliding-window layers)
+    positions: torch.Tensor  # [R, L] sequence position of each flushed entry (kept for sliding-window layers only)
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def extend(self, fused: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
@@ -58,7 +58,8 @@ class DraftContext:
         self.keys = [torch.cat([k, *(c[j][0] for c in chunks)], dim=2) for j, k in enumerate(self.keys)]
         self.values = [torch.cat([v, *(c[j][1] for c in chunks)], dim=2) for j, v in enumerate(self.values)]
         self.valid = torch.cat([self.valid, valid], dim=1)
-        self.positions = torch.cat([self.positions, positions], dim=1)
+        if any(draft.config.sliding_layers):  # only sliding-window layers read the positions: no copy for others
+            self.positions = torch.cat([self.positions, positions], dim=1)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows ``rows`` [R'] (indices), in that order."""

@@ -586,6 +586,19 @@ class TreeSchedule:
                 reached, accepted = reached + 1, accepted + (s in on_path)
         if self.lookup is not None:
             self.lookup.observe(reached, accepted)
+        recalibration = self.proposers[0].recalibration
+        if recalibration is not None:  # the draft's top choices along the walk, as a chain of positions 1, 2, ...
+            slot_of = {node: s for s, node in enumerate(verified.nodes, start=1)}
+            confidences, taken, slot = [], 0, 0
+            while True:
+                top = [n for n in tree.confidences if n in slot_of and verified.parent_slots[slot_of[n]] == slot]
+                if not top or len(confidences) == self.draft_tokens:
+                    break
+                confidences.append(tree.confidences[top[0]])
+                if slot_of[top[0]] not in on_path:
+                    break
+                taken, slot = taken + 1, slot_of[top[0]]
+            recalibration.observe(confidences, taken)
         return edges
 
 
@@ -631,7 +644,10 @@ def tree_schedule(draft, target, cache, settings: DecodeSettings, rows: int, sta
     if settings.lookup_max_ngram > 0:
         cap = settings.lookup_max_tokens or draft.config.num_draft_tokens
         lookup = LookupProposer(settings.lookup_max_ngram, settings.lookup_min_ngram, cap)
-    proposers = [DraftTreeProposer(draft, None, settings.tree_top_k), *([lookup] if lookup else [])]
+    recalibrate = settings.confidence_recalibration and settings.verify_mode in ("scheduled", "async")
+    recalibration = AcceptanceRecalibration(draft.config.num_draft_tokens) if recalibrate else None
+    drafter = DraftTreeProposer(draft, None, settings.tree_top_k, recalibration=recalibration)
+    proposers = [drafter, *([lookup] if lookup else [])]
     return TreeSchedule(settings, draft.config.num_draft_tokens, proposers, lookup)
 
 

@@ -12,7 +12,7 @@ proposer is one class here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -21,6 +21,7 @@ from transformers.generation import LogitsProcessorList
 from .drafting import DraftContext, draft_backbone
 from .lookup import lookup_continuation
 from .modeling_dspark import DSparkDraftModel
+from .recalibration import AcceptanceRecalibration
 from .tree import TokenTree
 from .verify import process
 
@@ -53,14 +54,15 @@ class DraftTreeProposer:
     tokens (under the draft's processed distribution q). A child's edge value is the confidence head's c_k for
     the parent's top child (the probability that the target keeps the draft's choice) and
     (1 - c_k) · q(x) / (1 - q(top)) for the others (the rest of the mass, shared as the draft shares it); without
-    a confidence head, q(x). Expansion stops early once ``budget`` nodes are already worth more than any node
-    still to come (values only fall along paths)."""
+    a confidence head, q(x). With ``recalibration`` (scheduled trees), c_k is first shifted toward the acceptance
+    of the draft's top choices observed in the call so far, as chains shift theirs. Expansion stops early once
+    ``budget`` nodes are already worth more than any node still to come (values only fall along paths)."""
 
     draft: DSparkDraftModel
     context: DraftContext
     top_k: int
     beam: int | None = None
-    confidences: list[float] = field(default_factory=list)
+    recalibration: AcceptanceRecalibration | None = None  # shifts c_k toward the call's observed acceptance
 
     def propose(self, tree: TokenTree, request: TreeRequest) -> None:
         if not request.draft or request.max_depth == 0:
@@ -103,13 +105,16 @@ class DraftTreeProposer:
                 x_top = draft.draft_vocab[x_top]
             edges = q_top.double()
             if conf_head is not None:
-                c = conf_head.calibrated(conf_head.logit(h_k, feature), temps[k] if temps else None).double()
+                raw = conf_head.calibrated(conf_head.logit(h_k, feature), temps[k] if temps else None).double()
+                c = raw if self.recalibration is None else self.recalibration.apply(raw, start=k)
                 rest = (1 - edges[:, :1]).clamp_min(1e-12)
                 edges = torch.cat([c[:, None], (1 - c[:, None]) * (edges[:, 1:] / rest).clamp(max=1)], dim=1)
             children = []
             for i, parent in enumerate(frontier):
                 for j in range(x_top.shape[1]):
                     node = tree.add(parent, int(x_top[i, j]), float(edges[i, j]), "draft", top=j == 0)
+                    if j == 0 and conf_head is not None:
+                        tree.confidences[node] = float(raw[i])
                     children.append((tree.values[node], node, i, j))
             children.sort(key=lambda c: -c[0])
             kept = [c for c in children[:beam] if c[0] > 0]

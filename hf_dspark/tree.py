@@ -42,6 +42,7 @@ class TokenTree:
     top: list[bool] = field(default_factory=list)
     sources: list[set[str]] = field(default_factory=list)
     index: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
+    confidences: dict[int, float] = field(default_factory=dict)  # top draft node -> the head's own c_k (unshifted)
 
     def __len__(self) -> int:
         return len(self.tokens)
