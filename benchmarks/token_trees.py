@@ -14,7 +14,8 @@ prompt by prompt through ``hf-dspark bench``'s loop (every output checked agains
     treeK-scheduled+lookup     trees with lookup branches, nodes chosen by the scheduler
 
 Also reports the calibration of the trees' node values (expected calibration error over 10 bins, top children and
-the others apart) from ``dspark_stats.tree_edges``. Prints tables and writes ``<out>/token_trees.json``.
+the others apart) from ``dspark_stats.tree_edges``. Prints tables and writes ``<out>/token_trees.json``;
+``--report`` writes ``<out>/token_trees.md`` from it.
 """
 
 from __future__ import annotations
@@ -72,6 +73,32 @@ def methods(target, draft, top_ks: list[int], edges: dict[str, list]) -> list[Me
     return chosen
 
 
+def report(saved: dict) -> str:
+    """The Markdown page of a saved run: the bench table, and the values' calibration per set."""
+    st = saved["setting"]
+    lines = [
+        f"# Token trees against chains ({st['dtype']}, greedy, {st['limit']} prompts per set, "
+        f"{st['max_new_tokens']} new tokens, {st['threads']} threads)",
+        "",
+        "Written by `python benchmarks/token_trees.py --report` from `token_trees.json`; methods in the script's "
+        "docstring. τ = tokens committed per round.",
+        "",
+        markdown_table(saved["results"]),
+        "",
+        "Calibration of the node values (expected calibration error, 10 bins) over the verified draft nodes whose "
+        "parent the walk reached; `taken` counts non-top children the target took:",
+        "",
+        "| dataset | method | ECE top children | ECE other children | top nodes | other nodes | other taken |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for dataset, methods in saved["calibration"].items():
+        for name, c in methods.items():
+            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+            lines.append(f"| {dataset} | {name} | {fmt(c['top'])} | {fmt(c['other'])} | {c['nodes_top']} | "
+                         f"{c['nodes_other']} | {c['taken_other']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench"])
@@ -81,7 +108,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "token_trees")
+    ap.add_argument("--report", action="store_true", help="only write <out>/token_trees.md from the saved JSON")
     args = ap.parse_args()
+    if args.report:
+        page = report(json.loads((args.out / "token_trees.json").read_text()))
+        (args.out / "token_trees.md").write_text(page)
+        print(page)
+        return
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target(torch.float32)
     draft = DSparkDraftModel.from_pretrained(args.draft).attach(target).eval()
