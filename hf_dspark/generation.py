@@ -528,6 +528,7 @@ class TreeSchedule:
     draft_tokens: int
     proposers: list
     lookup: LookupProposer | None
+    recalibration: AcceptanceRecalibration | None = None  # the draft proposer's, fed here from each walk
     sps: SPSProfile | None = None
     drafting: float = 0.0
     backoff: int = 0
@@ -586,7 +587,7 @@ class TreeSchedule:
                 reached, accepted = reached + 1, accepted + (s in on_path)
         if self.lookup is not None:
             self.lookup.observe(reached, accepted)
-        recalibration = self.proposers[0].recalibration
+        recalibration = self.recalibration
         if recalibration is not None:  # the draft's top choices along the walk, as a chain of positions 1, 2, ...
             slot_of = {node: s for s, node in enumerate(verified.nodes, start=1)}
             confidences, taken, slot = [], 0, 0
@@ -648,7 +649,7 @@ def tree_schedule(draft, target, cache, settings: DecodeSettings, rows: int, sta
     recalibration = AcceptanceRecalibration(draft.config.num_draft_tokens) if recalibrate else None
     drafter = DraftTreeProposer(draft, None, settings.tree_top_k, recalibration=recalibration)
     proposers = [drafter, *([lookup] if lookup else [])]
-    return TreeSchedule(settings, draft.config.num_draft_tokens, proposers, lookup)
+    return TreeSchedule(settings, draft.config.num_draft_tokens, proposers, lookup, recalibration)
 
 
 @torch.no_grad()

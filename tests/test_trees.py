@@ -350,3 +350,33 @@ def test_a_draft_vocabulary_gives_the_same_tree_without_the_full_vocabulary(head
     ids = _prompt(4)
     ref = target.generate(ids, max_new_tokens=16, do_sample=False)
     assert _tree_generate(target, draft, ids, max_new_tokens=16, tree_top_k=3).tolist() == ref.tolist()
+
+
+def test_tree_scores_and_streamer_match_plain_generate():
+    """output_scores / output_logits and a streamer see each committed token once, with plain generate's scores."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.parts = []
+
+        def put(self, value):
+            self.parts.append(value.flatten().tolist())
+
+        def end(self):
+            pass
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
+    ids = _prompt(5)
+    kw = dict(max_new_tokens=14, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ref = target.generate(ids, do_sample=False, **kw)
+    streamer = Collect()
+    out = _tree_generate(target, draft, ids, tree_top_k=3, verify_mode="fixed", streamer=streamer, **kw)
+    assert out.sequences.tolist() == ref.sequences.tolist() and draft.stats.tree_fallback is None
+    assert len(out.scores) == len(ref.scores) == 14 and len(out.logits) == 14
+    for mine, theirs in zip(out.scores, ref.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    for mine, theirs in zip(out.logits, ref.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    assert [t for part in streamer.parts[1:] for t in part] == out.sequences[0, ids.shape[1] :].tolist()
