@@ -15,7 +15,8 @@ prompt by prompt through ``hf-dspark bench``'s loop (every output checked agains
 
 Also reports the calibration of the trees' node values (expected calibration error over 10 bins, top children and
 the others apart) from ``dspark_stats.tree_edges``. Prints tables and writes ``<out>/token_trees.json``;
-``--report`` writes ``<out>/token_trees.md`` from it.
+``--report`` writes ``<out>/token_trees.md`` from it; ``--tau-only`` measures only the draft-alone τ (fixed verify, no
+timing) of the chain and the trees into ``<out>/tau_only.json``.
 """
 
 from __future__ import annotations
@@ -99,6 +100,34 @@ def report(saved: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@torch.no_grad()
+def tau_only(target, tokenizer, draft, datasets: list[str], limit: int, max_new_tokens: int, top_ks: list[int]) -> dict:
+    """The draft alone, fixed verify: τ of the chain and of each tree on every prompt (no timing, no plain run; the
+    tree's output must equal the chain's, both being plain greedy's). -> {dataset: {method: τ}}."""
+    from hf_dspark.evaluation.evaluate import load_prompts
+
+    gamma, taus = draft.config.num_draft_tokens, {}
+    for dataset in datasets:
+        counts = {}
+        for text in load_prompts(dataset, limit):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_tensors="pt")["input_ids"]  # fmt: skip
+            outs = {}
+            for k in [1, *top_ks]:
+                name = "chain-fixed" if k == 1 else f"tree{k}-fixed"
+                settings = dict(verify_mode="fixed", verify_limit=gamma * k, lookup_max_ngram=0, tree_top_k=k)
+                out = target.generate(ids, custom_generate=hf_dspark.dspark_generate, draft=draft,
+                                      max_new_tokens=max_new_tokens, do_sample=False, **settings)  # fmt: skip
+                outs[name] = out.tolist()
+                c = counts.setdefault(name, [0, 0])
+                c[0], c[1] = c[0] + sum(draft.stats.committed), c[1] + draft.stats.rounds
+            if any(out != outs["chain-fixed"] for out in outs.values()):
+                raise RuntimeError(f"a tree's output differs from the chain's on {dataset}: {text[:60]!r}")
+        taus[dataset] = {name: c[0] / c[1] for name, c in counts.items()}
+        print(dataset, {name: round(t, 3) for name, t in taus[dataset].items()}, flush=True)
+    return taus
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench"])
@@ -109,6 +138,8 @@ def main() -> None:
     ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "token_trees")
     ap.add_argument("--report", action="store_true", help="only write <out>/token_trees.md from the saved JSON")
+    ap.add_argument("--tau-only", action="store_true",
+                    help="only τ of the draft alone (fixed), chain vs trees, into <out>/tau_only.json")  # fmt: skip
     args = ap.parse_args()
     if args.report:
         page = report(json.loads((args.out / "token_trees.json").read_text()))
@@ -118,6 +149,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target(torch.float32)
     draft = DSparkDraftModel.from_pretrained(args.draft).attach(target).eval()
+    if args.tau_only:
+        taus = tau_only(target, tokenizer, draft, args.datasets, args.limit, args.max_new_tokens, args.top_k)
+        setting = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "dtype": "float32", "mode": "fixed"}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tau_only.json").write_text(json.dumps({"setting": setting, "tau": taus}, indent=1))
+        return
     edges: dict[str, list] = {}
     chosen = methods(target, draft, args.top_k, edges)
     args.out.mkdir(parents=True, exist_ok=True)

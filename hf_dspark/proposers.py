@@ -64,6 +64,7 @@ class DraftTreeProposer:
     beam: int | None = None
     recalibration: AcceptanceRecalibration | None = None  # shifts c_k toward the call's observed acceptance
 
+    @torch.no_grad()
     def propose(self, tree: TokenTree, request: TreeRequest) -> None:
         if not request.draft or request.max_depth == 0:
             return
