@@ -75,19 +75,25 @@ def draft_seconds(
         ctx.extend(fused.to(device, draft.dtype), positions, torch.ones(rows, context, dtype=torch.bool, device=device))
         histories = list(torch.zeros(rows, 1, dtype=torch.long, device=device))  # the ids do not change the cost
         anchors = torch.full((rows,), context, device=device)
-        sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-        times = []
         # sampled blocks draw from the global generator: restore it, so a seeded generate is reproducible whether
         # or not its first call measured the draft
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for _ in range(reps + 1):
-                sync()
-                start = time.perf_counter()
-                draft_block(draft, ctx, histories, anchors, c.num_draft_tokens, LogitsProcessorList(), do_sample)
-                sync()
-                times.append(time.perf_counter() - start)
-        table[key] = statistics.median(times[1:])
+            block = (draft, ctx, histories, anchors, c.num_draft_tokens, LogitsProcessorList(), do_sample)
+            table[key] = _median_seconds(lambda: draft_block(*block), device, reps)
     return table[key]
+
+
+def _median_seconds(run, device: torch.device, reps: int) -> float:
+    """Median wall time of ``run()`` over ``reps`` calls after one warm-up, synchronising CUDA around each."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    times = []
+    for _ in range(reps + 1):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 @torch.no_grad()
@@ -110,15 +116,7 @@ def tree_draft_seconds(draft: DSparkDraftModel, top_k: int, context: int = 256, 
         # an unbounded budget: no early stop, the cost of the deepest tree this setting drafts
         request = TreeRequest(torch.zeros(1, dtype=torch.long, device=device), torch.tensor(context, device=device),
                               c.num_draft_tokens, 10**6, LogitsProcessorList())  # fmt: skip
-        sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-        times = []
-        for _ in range(reps + 1):
-            sync()
-            start = time.perf_counter()
-            proposer.propose(TokenTree(), request)
-            sync()
-            times.append(time.perf_counter() - start)
-        table[key] = statistics.median(times[1:])
+        table[key] = _median_seconds(lambda: proposer.propose(TokenTree(), request), device, reps)
     return table[key]
 
 
