@@ -27,19 +27,31 @@ import zlib
 from pathlib import Path
 
 import torch
-from smollm2_prepare import ANSWERS
+from smollm2_prepare import ANSWERS, PROMPTS
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.embedded import load_target
-from hf_dspark.training.data import frequent_tokens, load_dataset
+from hf_dspark.training.data import frequent_tokens, load_dataset, read_answers, read_prompts, reference_rows
 from hf_dspark.training.losses import LossWeights
 from hf_dspark.training.trainer import TrainConfig, saved_vocab, train
 
 STATE = Path("~/.cache/hf_dspark/smollm2").expanduser()
 
 
+REFERENCES = PROMPTS / "reference_answers.jsonl.gz"  # what GSM8K and Code Alpaca answered their prompts with
+
+
 def is_held_out(row: dict) -> bool:
-    return zlib.crc32(row["id"].encode()) % 50 == 0
+    """Rows whose prompt id hashes to 0 mod 50 (a reference answer's with its prompt's: ``<prompt id>@reference``)."""
+    return zlib.crc32(row["id"].split("@")[0].encode()) % 50 == 0
+
+
+def recipe_references(tokenizer, answers: Path = REFERENCES) -> list[dict]:
+    """Rows of reference answers (text the target did not write, issue #48) for every vendored prompt they answer,
+    in the prompt files' order; held-out prompts are dropped by the caller like regenerated rows."""
+    table = read_answers(answers)
+    sources = sorted({row_id.split(":")[0] for row_id in table})
+    return [r for name in sources for r in reference_rows(tokenizer, read_prompts(PROMPTS / f"{name}.jsonl.gz"), table)]
 
 
 MASK_TOKEN = "<empty_output>"  # a SmolLM2 special token that neither prompts nor regenerated answers contain
@@ -106,7 +118,8 @@ def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
     continued run's history (a shipped draft's history is copied in as ``continues``)."""
     path = out / "recipe.json"
     if not path.exists():
-        keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd", "argmax", "layers")
+        keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd", "argmax", "layers",
+                "references")  # fmt: skip
         recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}
         init = getattr(args, "init_from", None)
         if init is not None and is_shipped(init):
@@ -183,6 +196,8 @@ def main() -> None:
                     help="weight of CE on the target's argmax (the label greedy verification checks)")  # fmt: skip
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
                     help="bf16 autocast (master weights stay float32)")  # fmt: skip
+    ap.add_argument("--references", action="store_true",
+                    help="also train on GSM8K's and Code Alpaca's own answers to their prompts (#48)")  # fmt: skip
     ap.add_argument("--draft-vocab", type=int, default=8192,
                     help="train over this many most frequent answer tokens (0: the whole vocabulary)")  # fmt: skip
     args = ap.parse_args()
@@ -190,8 +205,9 @@ def main() -> None:
     torch.set_flush_denormal(True)  # subnormal floats cost some steps 10-35% (benchmarks/train_throughput.py)
     out = STATE / (args.run or f"run-{args.head}" + ("-speculators" if args.layout == "speculators" else ""))
     answers = run_rows(out, load_dataset(args.data), args.rows)
-    rows = [r for r in answers if not is_held_out(r)]
     target, tokenizer = load_target()
+    references = recipe_references(tokenizer) if read_recipe(out).get("references", args.references) else []
+    rows = [r for r in answers + references if not is_held_out(r)]
     mask_token = spare_token(tokenizer, rows) if args.layout == "speculators" else None
     draft = build_draft(target, args.head, mask_token, args.layers)
     init_vocab = None if args.init_from is None else start_from(draft, args.init_from)

@@ -18,8 +18,11 @@ from hf_dspark.evaluation.evaluate import DATASETS, eval_dir, load_prompts
 from hf_dspark.testing import char_tokenizer, tiny_target
 from hf_dspark.training.data import (
     OPEN_SHARD,
+    Prompt,
     load_dataset,
+    read_answers,
     read_prompts,
+    reference_rows,
     regenerate,
     seal_shards,
 )
@@ -216,3 +219,49 @@ def test_function_prompts_keep_the_signature_and_imports_and_drop_the_solution()
     assert function_prompt("x", "", "int main() { return 0; }") is None  # not Python
     assert function_prompt("x", "", "print(sum([1, 2]))\n") is None  # no function
     assert function_prompt("x", "", "def f(a): return a\n") is None  # no body line to leave out
+
+
+def test_reference_rows_are_the_prompt_then_the_answer_then_eos():
+    tok = char_tokenizer()
+    prompts = [Prompt("gsm8k_train:0", "gsm8k_train", [{"role": "user", "content": "1+1?"}]),
+               Prompt("gsm8k_train:1", "gsm8k_train", [{"role": "user", "content": "unanswered"}])]  # fmt: skip
+    rows = reference_rows(tok, prompts, {"gsm8k_train:0": "It is 2."})
+    assert [r["id"] for r in rows] == ["gsm8k_train:0@reference"]  # the prompt without an answer is left out
+    (row,) = rows
+    assert row["source"] == "gsm8k_train@reference"
+    assert row["prompt_ids"] == tok.apply_chat_template(prompts[0].messages, add_generation_prompt=True)["input_ids"]
+    assert row["response_ids"] == [*tok("It is 2.", add_special_tokens=False)["input_ids"], tok.eos_token_id]
+
+
+def test_reference_answers_are_read_with_errors_that_name_the_line(tmp_path):
+    good = tmp_path / "answers.jsonl.gz"
+    good.write_bytes(gzip.compress(b'{"id": "a:0", "answer": "x"}\n\n{"id": "a:1", "answer": "y"}\n'))
+    assert read_answers(good) == {"a:0": "x", "a:1": "y"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a:0", "answer": "x"}\n{"id": "a:1"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected"):
+        read_answers(bad)
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "answers.jsonl").write_text('{"id": "a:0", "answer": "x"}\n')
+    with pytest.raises(ValueError, match="eval/ folder"):
+        read_answers(tmp_path / "eval" / "answers.jsonl")
+
+
+def test_vendored_reference_answers_answer_vendored_prompts():
+    answers = read_answers(ROOT / "data" / "train" / "reference_answers.jsonl.gz")
+    for name in ("gsm8k_train", "codealpaca"):
+        ids = {p.id for p in read_prompts(ROOT / "data" / "train" / f"{name}.jsonl.gz")}
+        assert ids == {k for k in answers if k.startswith(name + ":")}, name
+    assert not any("<<" in a and ">>" in a for k, a in answers.items() if k.startswith("gsm8k_train:"))
+    assert answers["gsm8k_train:0"].endswith("\nThe answer is 72.")
+
+
+def test_gsm8k_solutions_lose_calculator_annotations_and_spell_the_answer():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from make_reference_answers import gsm8k_answer
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    text = "She sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72.\n#### 72"
+    assert gsm8k_answer(text) == "She sold 48/2 = 24 clips.\nIn all 48+24 = 72.\nThe answer is 72."
+    assert gsm8k_answer("no final line") == "no final line"

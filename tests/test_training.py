@@ -489,6 +489,8 @@ def test_cached_target_statistics_spare_the_whole_vocabulary_head(setup, tmp_pat
         torch.testing.assert_close(value, module(*batch)[key], msg=key)
 
     path = cache._path(rows[idx[0]])
+    rewritten = {**rows[idx[0]], "response_ids": rows[idx[0]]["response_ids"][::-1]}
+    assert cache._path(rewritten) != path  # same id, other tokens: never the stale features
     old = load_file(path)
     save_file({"features": old["features"], "final": old["final"]}, str(path))  # the layout before statistics
     again = cache.get(rows[idx[0]], cfg.max_length, torch.device("cpu"))

@@ -168,6 +168,47 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     return list(ids)
 
 
+def reference_rows(tokenizer, prompts: Iterable[Prompt], answers: dict[str, str]) -> list[dict]:
+    """Training rows for text the target did not write: each prompt in ``prompts`` that ``answers`` (prompt id ->
+    answer text) answers becomes ``{"id": "<prompt id>@reference", "source", "prompt_ids", "response_ids"}``, the
+    answer's tokens followed by the tokenizer's EOS. The target's soft labels (the TV and confidence losses) come from
+    one forward pass over such a row, as over a regenerated one; the id differs from the regenerated answer's to the
+    same prompt, so both can be trained on and cached side by side."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token to end reference answers with")
+    rows = []
+    for prompt in prompts:
+        if prompt.id not in answers:
+            continue
+        response = tokenizer(answers[prompt.id], add_special_tokens=False)["input_ids"]
+        rows.append(
+            {
+                "id": f"{prompt.id}@reference",
+                "source": f"{prompt.source}@reference",
+                "prompt_ids": encode_prompt(tokenizer, prompt),
+                "response_ids": [*response, tokenizer.eos_token_id],
+            }
+        )
+    return rows
+
+
+def read_answers(path: str | Path) -> dict[str, str]:
+    """Reference answers from a JSONL file (gzipped or not) of ``{"id", "answer"}`` lines, as a dict id -> text."""
+    path = Path(path)
+    if _is_eval_path(path):
+        raise ValueError(f"{path} is under an eval/ folder: benchmark answers must never be trained on")
+    answers = {}
+    for n, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            answers[row["id"]] = row["answer"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f'{path}:{n}: expected {{"id": ..., "answer": ...}}') from None
+    return answers
+
+
 def left_pad(batch: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists -> (input_ids [B, W], attention_mask [B, W]), left-padded with ``pad`` to the longest."""
     width = max(len(ids) for ids in batch)

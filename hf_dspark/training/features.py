@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import os
 from pathlib import Path
 
@@ -61,7 +62,9 @@ class FeatureCache:
         self.target, self.layer_ids, self.dtype = target, list(layer_ids), dtype
 
     def _path(self, row: dict) -> Path:
-        return self.dir / (hashlib.sha1(str(row["id"]).encode()).hexdigest()[:20] + ".safetensors")
+        # Keyed by the tokens as well as the id: a row rewritten under the same id must not get stale features.
+        key = json.dumps([row["id"], row["prompt_ids"], row["response_ids"]])
+        return self.dir / (hashlib.sha1(key.encode()).hexdigest()[:20] + ".safetensors")
 
     def get(self, row: dict, max_length: int, device: torch.device):
         path = self._path(row)
