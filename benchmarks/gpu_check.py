@@ -73,7 +73,7 @@ def decode_check(shape: str, device: str, dtype: torch.dtype, n: int, new_tokens
     from hf_dspark.evaluation.ties import first_divergence, upcast_copy
 
     target, draft = build(shape, device, dtype)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     exact = dtype == torch.float32
     upcast = None if exact else upcast_copy(target)
     rows = []

@@ -76,7 +76,7 @@ def round_share(gamma: int, R: int = 128, L: int = 512) -> dict:
         target_layer_ids=[1, 9, 17, 25, 33],
         target_num_layers=None,
     )
-    head, conf = draft.sequential_head, draft.confidence.confidence_head
+    head, (conf_weight, conf_bias) = draft.sequential_head, draft.confidence.weight_and_bias()
     feats = torch.randn(R, L, 5 * 4096, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         ctx = draft.context_key_values(feats, torch.arange(L, device="cuda").expand(R, L))
@@ -90,11 +90,12 @@ def round_share(gamma: int, R: int = 128, L: int = 512) -> dict:
             for k in range(gamma):
                 prev = lowrank_step(
                     out.logits[:, k],
-                    head.markov_w2.weight,
+                    head.output_weight,
                     prev=prev,
-                    w1=head.markov_w1.weight,
+                    w1=head.embedding_weight,
                     hidden=out.hidden_states[:, k],
-                    conf_weight=conf.weight[0],
+                    conf_weight=conf_weight,
+                    conf_bias=conf_bias,
                 )[1]
 
         t_heads = cuda_time(heads, reps=20)

@@ -50,7 +50,7 @@ def measure(method: str, length: int) -> dict:
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(max_position_embeddings=length + 64, **TARGET)).eval()
     draft = DSparkDraftModel.from_target(target, block_size=8, head_rank=64)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     if method == "dspark-all-layers":
         drafting.LayerTap.active = property(lambda self: False)  # the loop as it was: every layer's states
     ids = torch.randint(3, TARGET["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))

@@ -29,18 +29,18 @@ sys.path.insert(0, str(ROOT / "recipes"))
 from smollm2_prepare import recipe_prompts  # noqa: E402
 from smollm2_train import is_held_out  # noqa: E402
 
-from hf_dspark import DSparkDraftModel  # noqa: E402
+from hf_dspark import DSparkDraftModel, dspark_generate  # noqa: E402
 from hf_dspark.embedded import DRAFT_DIR, fast_dtype, load_target  # noqa: E402
 from hf_dspark.evaluation.bench import Method, bench, markdown_table  # noqa: E402
 
 
 def capped(target, draft, tokens: int | None, adaptive: bool = False) -> Method:
-    """The draft's own configuration with lookups of at most ``tokens``, grown from γ when ``adaptive`` (the
-    methods share the draft object, so each run sets the fields they differ in)."""
+    """The draft's own settings with lookups of at most ``tokens`` (``None``: γ), grown from γ when ``adaptive``
+    (per call: the methods share the draft object)."""
+    settings = {"lookup_max_tokens": tokens or draft.config.num_draft_tokens, "lookup_adaptive": adaptive}
 
     def run(ids, **kw):
-        draft.config.lookup_max_tokens, draft.config.lookup_adaptive = tokens, adaptive
-        return target.generate(ids, assistant_model=draft, **kw)
+        return target.generate(ids, custom_generate=dspark_generate, draft=draft, **settings, **kw)
 
     return Method(f"lookup{tokens or draft.config.num_draft_tokens}{'a' if adaptive else ''}", run, draft)
 
@@ -71,7 +71,7 @@ def main() -> None:
     dtype = fast_dtype()
     target, tokenizer = load_target(dtype)
     draft = DSparkDraftModel.from_pretrained(args.draft).attach(target).eval()
-    if not draft.config.lookup_max_ngram:
+    if not draft.decoding.lookup_max_ngram:
         raise SystemExit(f"{args.draft} has lookup drafting off: nothing to measure")
     methods = [
         Method("plain", lambda ids, **kw: target.generate(ids, **kw)),

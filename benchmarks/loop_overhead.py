@@ -53,7 +53,7 @@ def main() -> None:
                          eos_token_id=None)  # fmt: skip
     target = LlamaForCausalLM(config).eval()
     draft = DSparkDraftModel.from_target(target, block_size=4, num_draft_layers=1, head_rank=8)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     prompts = [torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(i)) for i in range(args.calls)]
     kw = dict(max_new_tokens=64, do_sample=False)
     per_round, per_token = [], []

@@ -66,7 +66,7 @@ def build(vocab: int, hidden: int, layers: int, block: int, window: int, seed: i
     with tempfile.TemporaryDirectory() as tmp:
         drafter.save_pretrained(tmp)
         draft = DSparkDraftModel.from_pretrained(tmp, target_vocab_size=vocab)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     return target, drafter, draft
 
 

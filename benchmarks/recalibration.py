@@ -140,8 +140,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target(torch.float32)
     draft = DSparkDraftModel.from_pretrained(args.draft).attach(target).eval()
-    draft.config.lookup_max_ngram = args.lookup
-    widest = 1 + max(draft.config.num_draft_tokens, draft.config.lookup_max_tokens or 0)
+    draft.decoding.lookup_max_ngram = args.lookup  # this script's own copy of the draft: its defaults are ours to set
+    widest = 1 + max(draft.config.num_draft_tokens, draft.decoding.lookup_max_tokens or 0)
     if args.prices:  # the same prices as an earlier run: its table and this one's compare decision for decision
         earlier = json.loads(args.prices.read_text())
         sps = SPSProfile.from_table({int(b): s for b, s in earlier["profile_steps_per_s"].items()})

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hf_dspark import DSparkDraftModel, costs, embedded, generation, measure_sps
+from hf_dspark import DSparkDraftModel, costs, dspark_generate, embedded, generation, measure_sps
 from hf_dspark.evaluation.evaluate import load_prompts
 from hf_dspark.evaluation.readme import replace_block
 
@@ -124,12 +124,15 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: in
                     out = target.generate(ids, **kw)
                     references[b] = out.tolist()
                 else:
-                    draft.config.verify_mode, draft.config.verify_limit = setting
-                    draft.config.verify_layout = "packed" if name.endswith("-packed") else "padded"
-                    # the shipped config's lookup drafting, for its own row only: the others compare verify modes
-                    draft.config.lookup_max_ngram = 3 if name.endswith("+lookup") else 0
+                    mode, limit = setting
+                    settings = {
+                        "verify_mode": mode, "verify_limit": limit or gamma, "tree_top_k": 1,
+                        "verify_layout": "packed" if name.endswith("-packed") else "padded",
+                        # the shipped lookup drafting, for its own row only: the others compare verify modes
+                        "lookup_max_ngram": 3 if name.endswith("+lookup") else 0,
+                    }  # fmt: skip
                     with hindsight(references[b], diverged[b]) if name == "oracle" else nullcontext():
-                        out = target.generate(ids, assistant_model=draft, **kw)
+                        out = target.generate(ids, custom_generate=dspark_generate, draft=draft, **settings, **kw)
                 seconds, tokens = time.perf_counter() - t0, count_new(out, ids.shape[1], eos)
                 t = totals[name]
                 t["seconds"] += seconds

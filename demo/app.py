@@ -19,6 +19,7 @@ copy of both models, made on first use.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import html
 import os
 import time
@@ -107,13 +108,14 @@ def float32_pair(target, draft: DSparkDraftModel):
     draft32 = type(draft)(draft.config).to(torch.float32)
     draft32.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in draft.state_dict().items()})
     draft32.head_enabled = draft.head_enabled
+    draft32.decoding = dataclasses.replace(draft.decoding)
     return target32, draft32.attach(target32)
 
 
 def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
     """The Blocks app for one target/draft pair. API name of the comparison: ``/compare``."""
     max_context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
-    lookup_n = draft.config.lookup_max_ngram or 3  # what the lookup checkbox turns on: the draft's own N if it has one
+    lookup_n = draft.decoding.lookup_max_ngram or 3  # what the lookup checkbox turns on: the draft's own N, or 3
     loaded = _dtype_name(target.dtype)
     precisions = [loaded] if loaded == "float32" else [loaded, "float32"]
     pairs = {loaded: (target, draft)}  # precision -> (target, draft); the float32 copy is made on first use

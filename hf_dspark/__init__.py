@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModel
 
 from .configuration_dspark import DSparkConfig
 from .costs import measure_sps
+from .decoding_config import DecodingConfig
 from .integration import disable, dspark_generate, enable, is_enabled
 from .modeling_dspark import DSparkDraftModel, DSparkOutput
 from .stats import DSparkStats
@@ -25,6 +26,7 @@ __all__ = [
     "DSparkDraftModel",
     "DSparkOutput",
     "DSparkStats",
+    "DecodingConfig",
     "disable",
     "dspark_generate",
     "enable",

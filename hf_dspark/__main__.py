@@ -24,6 +24,7 @@ import torch
 from . import embedded
 from .evaluation.bench import warm_up
 from .evaluation.ties import first_divergence, upcast_copy
+from .integration import dspark_generate
 from .modeling_dspark import DSparkDraftModel
 from .scheduler import CACHE_DIR
 
@@ -70,13 +71,11 @@ def main(argv: list[str] | None = None) -> None:
             "      Its output is still exactly the target's (DSpark is lossless), but expect a slowdown, not a speedup."
         )
 
-    if args.lookup is not None:
-        draft.config.lookup_max_ngram = args.lookup
-    draft.config.validate_lookup()
-    lookup = draft.config.lookup_max_ngram
-    longest = draft.config.lookup_max_tokens or draft.config.num_draft_tokens
-    grows = " (growing from γ while lookups are accepted in full)" if draft.config.lookup_adaptive else ""
-    print(f"lookup drafting: n-grams of {lookup} to {draft.config.lookup_min_ngram} tokens, continued up to {longest}"
+    settings = draft.decoding.replace(lookup_max_ngram=args.lookup)  # this run's (validated), not the saved ones
+    lookup = settings.lookup_max_ngram
+    longest = settings.lookup_max_tokens or draft.config.num_draft_tokens
+    grows = " (growing from γ while lookups are accepted in full)" if settings.lookup_adaptive else ""
+    print(f"lookup drafting: n-grams of {lookup} to {settings.lookup_min_ngram} tokens, continued up to {longest}"
           f"{grows}" if lookup else "lookup drafting: off")  # fmt: skip
     prompts = [_chat_ids(tokenizer, text) for text in _prompts(args.prompts, args.limit)]
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         ref = target.generate(ids, **kw)
         t1 = time.perf_counter()
-        out = target.generate(ids, assistant_model=draft, **kw)
+        out = target.generate(ids, custom_generate=dspark_generate, draft=draft, lookup_max_ngram=lookup, **kw)
         t2 = time.perf_counter()
         same = out.tolist() == ref.tolist()
         n = ref.shape[1] - ids.shape[1]

@@ -33,14 +33,12 @@ def _table(results: list[dict] | None, kind: str) -> str:
 
 def render_card(draft_dir: str | Path, name: str | None = None, target: str | None = None,
                 license: str = "mit") -> str:  # fmt: skip
-    """Render the card for the draft in ``draft_dir``. Reads ``config.json`` and, when present, ``eval.json``,
-    ``bench.json`` and ``training.json`` (``{"command", "data", "steps", "target weights", ...}``) from the same
-    folder."""
-    from .configuration_dspark import DSparkConfig
+    """Render the card for the draft in ``draft_dir``. Reads the draft (its config and decoding settings) and, when
+    present, ``eval.json``, ``bench.json`` and ``training.json`` (``{"command", "data", "steps", "target weights",
+    ...}``) from the same folder."""
     from .modeling_dspark import DSparkDraftModel
 
     folder = Path(draft_dir)
-    config = DSparkConfig.from_pretrained(folder)
     draft = DSparkDraftModel.from_pretrained(folder)
     load = lambda f: json.loads((folder / f).read_text()) if (folder / f).is_file() else None  # noqa: E731
     training = load("training.json")
@@ -57,7 +55,7 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
         if weights
         else "The training record does not say which weights of the target the draft was trained against."
     )
-    c = config
+    c, d = draft.config, draft.decoding
     report = load("calibration.json") or {}
     fitted_on = {
         "decode": f" (fitted on {report.get('blocks')} blocks of greedy DSpark decoding in {report.get('dtype')})",
@@ -86,12 +84,12 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
         draft_vocab="the whole vocabulary"
         if c.draft_vocab_size is None
         else f"{c.draft_vocab_size} tokens (proposals restricted to them; verification uses the full vocabulary)",
-        lookup=f"on: n-grams of {c.lookup_max_ngram} down to {c.lookup_min_ngram} tokens that occurred earlier are "
-        f"continued from the text (up to {c.lookup_max_tokens or c.num_draft_tokens} tokens"
-        f"{', growing from a block with each lookup accepted in full' if c.lookup_adaptive else ''}), the draft "
-        "proposes elsewhere (`config.lookup_max_ngram = 0` turns it off)"
-        if c.lookup_max_ngram
-        else "off (`config.lookup_max_ngram = 3` turns it on)",
+        lookup=f"on: n-grams of {d.lookup_max_ngram} down to {d.lookup_min_ngram} tokens that occurred earlier are "
+        f"continued from the text (up to {d.lookup_max_tokens or c.num_draft_tokens} tokens"
+        f"{', growing from a block with each lookup accepted in full' if d.lookup_adaptive else ''}), the draft "
+        "proposes elsewhere (`decoding.lookup_max_ngram = 0` turns it off)"
+        if d.lookup_max_ngram
+        else "off (`decoding.lookup_max_ngram = 3` turns it on)",
         params=f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M",
         training=training_text,
         target_weights=weights_text,

@@ -256,11 +256,19 @@ def cmd_eval(args) -> None:
     check_target(args.target)
     target, tokenizer = load_target(args.target, args.dtype)
     drafts = _load_drafts(folders, target)
-    for draft in drafts.values():
-        if args.verify_mode:
-            draft.config.verify_mode = args.verify_mode
     results = [
-        evaluate(target, tokenizer, draft, name, args.limit, args.max_new_tokens, temperature, label, args.lookup)
+        evaluate(
+            target,
+            tokenizer,
+            draft,
+            name,
+            args.limit,
+            args.max_new_tokens,
+            temperature,
+            label,
+            args.lookup,
+            verify_mode=args.verify_mode,
+        )
         for label, draft in drafts.items()
         for name in args.datasets
         for temperature in args.temperatures
@@ -285,7 +293,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from .compat import export_deepspec, export_speculators
+    from .compat import FORMATS, ExportNote
     from .embedded import hub_id
 
     folder = check_draft(args.draft)
@@ -293,24 +301,14 @@ def cmd_export(args) -> None:
     dtype = resolve_dtype(args.dtype, draft_folder=folder)  # auto: the draft's own dtype, so nothing is widened
     target, _ = load_target(args.target, dtype, with_tokenizer=False)
     draft = load_draft_for(folder, target)
-    if args.format == "speculators":
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out = export_speculators(draft, args.out, verifier=args.verifier or hub_id(target))
-        for w in caught:
-            if "verifier" in str(w.message):
-                print(f"warning: {w.message}", file=sys.stderr)
-        verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
-        print(f"wrote {out} (speculators layout, {dtype}, for vLLM; verifier {verifier})")
-    else:
-        if draft.config.draft_vocab_size is not None:
-            print(
-                "note: DeepSpec's layout has no draft vocabulary, so the export proposes over the whole vocabulary "
-                f"(this draft proposes {draft.config.draft_vocab_size} tokens; the output stays the target's, "
-                "acceptance may differ slightly). --format speculators keeps the draft vocabulary.",
-                file=sys.stderr,
-            )
-        print(f"wrote {export_deepspec(draft, args.out, whole_vocab=True)} (DeepSpec layout, {dtype})")
+    fmt = FORMATS[args.format]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fmt.export(draft, args.out, verifier=args.verifier or hub_id(target))
+    for w in caught:
+        if issubclass(w.category, ExportNote) or "verifier" in str(w.message):  # the export's own, not libraries'
+            print(f"{'note' if issubclass(w.category, ExportNote) else 'warning'}: {w.message}", file=sys.stderr)
+    print(f"wrote {out} ({fmt.description}, {dtype})")
 
 
 def cmd_card(args) -> None:
@@ -369,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     import transformers
 
     from . import __version__
+    from .compat import FORMATS, exportable
+    from .decoding_config import VERIFY_MODES
 
     ap = argparse.ArgumentParser(
         prog="hf-dspark",
@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=positive_int, default=None, help="prompts per dataset (default: all)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 means greedy")
-    p.add_argument("--verify-mode", default=None, choices=["fixed", "threshold", "scheduled", "async"],
+    p.add_argument("--verify-mode", default=None, choices=[m for m in VERIFY_MODES if m != "auto"],
                    help="how many draft tokens each round verifies (default: the draft's config)")  # fmt: skip
     p.add_argument("--lookup", type=non_negative_int, default=0, metavar="N",
                    help="decode with lookup drafting, n-grams of N tokens (0: the draft alone)")  # fmt: skip
@@ -501,9 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("export", "write a draft in another implementation's layout (speculators for vLLM, DeepSpec)")
     common(p, dtype_help="the dtype written; auto: the draft's own")
     p.add_argument("--draft", required=True, help="a draft folder or Hub id")
-    p.add_argument("--format", default="speculators", choices=["speculators", "deepspec"],
-                   help="speculators: what vLLM serves (keeps a draft vocabulary); deepspec: DeepSpec's and "
-                   "sglang's layout (whole vocabulary)")  # fmt: skip
+    p.add_argument("--format", default="speculators", choices=exportable(),
+                   help="; ".join(f"{name}: {FORMATS[name].description}" for name in exportable()))  # fmt: skip
     p.add_argument("--verifier", default=None,
                    help="speculators: the target's Hub id, recorded for the serving engine (default: the target's "
                    "Hub id; HuggingFaceTB/SmolLM2-135M-Instruct for the embedded one)")  # fmt: skip

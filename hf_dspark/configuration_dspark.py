@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-HEAD_TYPES = ("none", "markov", "gated", "rnn")
+from .decoding_config import DecodingConfig
+from .heads import HEADS
+
 HEAD_VOCABS = ("full", "draft")
-VERIFY_MODES = ("auto", "fixed", "threshold", "scheduled", "async")
-VERIFY_LAYOUTS = ("padded", "packed")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -45,34 +45,10 @@ class DSparkConfig(PretrainedConfig):
             parameters that a draft vocabulary never reads (2.6M, 5.2 MB in bfloat16, on SmolLM2 at r = 64).
     Target identity (a draft refuses any other target):
         target_model_type, target_hidden_size, target_vocab_size, target_num_layers.
-    Verification (may be changed on a loaded draft, e.g. ``draft.config.verify_mode = "fixed"``):
-        verify_mode: ``auto`` (``scheduled`` with a confidence head, else ``fixed``), ``fixed`` (verify all γ),
-            ``threshold`` (the prefix with c_k ≥ ``confidence_threshold``), ``scheduled`` (Algorithm 1 with the
-            target's SPS profile) or ``async`` (capacity from confidences two rounds old, filled by current ones).
-        verify_limit: at most this many draft tokens verified per row and round, in every mode (``None``: γ).
-        verify_layout: what ``scheduled``/``async`` assume a verify step costs in a batch. ``padded`` (default):
-            this package's loop, which verifies an [R, 1 + ℓ] block, so the planners choose whole columns and every
-            row verifies up to ℓ; ``packed``: the paper's per-token Algorithm 1 (B = Σ_r (1 + ℓ_r)), right for
-            engines with ragged kernels. Identical for one row.
-        lookup_max_ngram, lookup_min_ngram: lookup drafting (``hf_dspark.lookup``), off when
-            ``lookup_max_ngram`` is 0 (the default). On: in each round with one row running (a single prompt, or
-            the last row of a batch), if the row's last n tokens (n from ``lookup_max_ngram`` down to
-            ``lookup_min_ngram``) occurred earlier in its history, it verifies the tokens that followed them
-            instead of a drafted block. Lossless either way.
-        lookup_max_tokens: the most tokens a lookup continuation verifies (``None``: γ, like a drafted block; never
-            more than ``verify_limit`` when that is set). Repeats are often longer than a block, and on a target
-            whose verify cost grows slowly with width a longer continuation costs little more.
-        lookup_adaptive: grow lookups with their success (off by default). On: a call's first lookup verifies at
-            most γ tokens; each lookup accepted in full doubles that width, up to ``lookup_max_tokens``, and a
-            lookup that is cut short sets it back to γ. A long repeat then verifies long continuations, while a
-            lookup that fails early costs a block's width, not the cap's.
-        tree_top_k: children per node of a token tree (``hf_dspark.tree``; 1, the default: one chain). Above 1, a
-            single-row call verifies a tree: the draft's top ``tree_top_k`` tokens under each of the ``tree_top_k``
-            most valuable nodes of each depth, with lookup continuations as branches, and ``verify_limit`` counts
-            nodes (``None``: γ · ``tree_top_k``). Batches of several rows verify chains.
-        confidence_recalibration: (``scheduled``/``async``) shift the head's confidences, per call, toward the
-            acceptance observed in that call's own earlier rounds (``hf_dspark.recalibration``; on by default), so
-            a prompt much easier or harder than the calibration set's average is priced by what it does.
+    Decoding settings (verify mode, lookup drafting, trees) are not part of this config: they live in
+    ``draft.decoding`` (``hf_dspark.decoding_config.DecodingConfig``, saved as ``decoding_config.json``). A config
+    built with them (or read from a checkpoint written before the split) keeps them in ``legacy_decoding``, never
+    serialised, and the draft built from it moves them across.
     Training:
         loss_decay: position weights w_k = exp(-(k-1)/loss_decay); ``None`` means γ.
     """
@@ -110,16 +86,6 @@ class DSparkConfig(PretrainedConfig):
         target_vocab_size: int | None = None,
         target_num_layers: int | None = None,
         loss_decay: float | None = None,
-        verify_mode: str = "auto",
-        confidence_threshold: float = 0.5,
-        verify_limit: int | None = None,
-        verify_layout: str = "padded",
-        lookup_max_ngram: int = 0,
-        lookup_min_ngram: int = 2,
-        lookup_max_tokens: int | None = None,
-        lookup_adaptive: bool = False,
-        confidence_recalibration: bool = True,
-        tree_top_k: int = 1,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -152,16 +118,10 @@ class DSparkConfig(PretrainedConfig):
         self.target_vocab_size = target_vocab_size
         self.target_num_layers = target_num_layers
         self.loss_decay = loss_decay
-        self.verify_mode = verify_mode
-        self.confidence_threshold = confidence_threshold
-        self.verify_limit = verify_limit
-        self.verify_layout = verify_layout
-        self.lookup_max_ngram = lookup_max_ngram
-        self.lookup_min_ngram = lookup_min_ngram
-        self.lookup_max_tokens = lookup_max_tokens
-        self.lookup_adaptive = lookup_adaptive
-        self.confidence_recalibration = confidence_recalibration
-        self.tree_top_k = tree_top_k
+        # Decoding settings given here (old checkpoints kept them in config.json) are checked and kept aside for
+        # the draft to move into ``draft.decoding``; they are never written back into config.json.
+        moved = {k: kwargs.pop(k) for k in DecodingConfig.field_names() if k in kwargs}
+        self.legacy_decoding = DecodingConfig.from_legacy(moved).to_dict() if moved else None
         self.initializer_range = initializer_range
         # `generate` compares vocab sizes of target and assistant before it reaches us: keep this one honest.
         kwargs.setdefault("vocab_size", target_vocab_size)
@@ -170,8 +130,9 @@ class DSparkConfig(PretrainedConfig):
 
     def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first field that cannot work."""
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        head_types = ("none", *HEADS)  # read now: a head registered after import counts too
+        if self.head_type not in head_types:
+            raise ValueError(f"head_type must be one of {head_types}, got {self.head_type!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_draft_layers < 1:
@@ -208,18 +169,6 @@ class DSparkConfig(PretrainedConfig):
                 )
             if any(t <= 0 for t in self.sts_temperatures):
                 raise ValueError(f"sts_temperatures must be positive, got {self.sts_temperatures}")
-        if self.verify_mode not in VERIFY_MODES:
-            raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {self.verify_mode!r}")
-        if self.verify_layout not in VERIFY_LAYOUTS:
-            raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {self.verify_layout!r}")
-        if self.verify_limit is not None and self.verify_limit < 0:
-            raise ValueError(f"verify_limit must be >= 0, got {self.verify_limit}")
-        self.validate_lookup()
-        self.validate_tree()
-        if not 0 <= self.confidence_threshold <= 1:
-            raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
-        if not isinstance(self.confidence_recalibration, bool):
-            raise ValueError(f"confidence_recalibration must be True or False, got {self.confidence_recalibration!r}")
         if self.draft_vocab_size is not None and not (
             1 <= self.draft_vocab_size <= (self.target_vocab_size or self.draft_vocab_size)
         ):
@@ -254,30 +203,20 @@ class DSparkConfig(PretrainedConfig):
         """Per draft layer, whether it attends through the sliding window."""
         return [kind == "sliding_attention" for kind in self.layer_types or ["full_attention"] * self.num_draft_layers]
 
-    def validate_tree(self) -> None:
-        """Raise ``ValueError`` unless ``tree_top_k`` is an int >= 1 (checked again by ``generate``)."""
-        k = self.tree_top_k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"tree_top_k must be an int >= 1 (1: a chain), got {k!r}")
+    def __setattr__(self, name: str, value) -> None:
+        if name in DecodingConfig.field_names():
+            raise AttributeError(_moved(name))
+        super().__setattr__(name, value)
 
-    def validate_lookup(self) -> None:
-        """Raise ``ValueError`` unless the lookup fields are off (``lookup_max_ngram`` = 0) or
-        1 <= ``lookup_min_ngram`` <= ``lookup_max_ngram``, ``lookup_max_tokens`` is ``None`` or an int >= 1 and
-        ``lookup_adaptive`` a bool (checked again by ``generate``: they may be changed on a loaded draft)."""
-        cap = self.lookup_max_tokens
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"lookup_max_tokens must be an int >= 1 (or None: γ), got {cap!r}")
-        if not isinstance(self.lookup_adaptive, bool):
-            raise ValueError(f"lookup_adaptive must be True or False, got {self.lookup_adaptive!r}")
-        if not isinstance(self.lookup_max_ngram, int) or self.lookup_max_ngram < 0:
-            raise ValueError(f"lookup_max_ngram must be an int >= 0 (0: off), got {self.lookup_max_ngram!r}")
-        if self.lookup_max_ngram and not (
-            isinstance(self.lookup_min_ngram, int) and 1 <= self.lookup_min_ngram <= self.lookup_max_ngram
-        ):
-            raise ValueError(
-                f"lookup_min_ngram must be an int between 1 and lookup_max_ngram ({self.lookup_max_ngram}), "
-                f"got {self.lookup_min_ngram!r}"
-            )
+    def __getattr__(self, name: str):
+        if name in DecodingConfig.field_names():
+            raise AttributeError(_moved(name))
+        return super().__getattribute__(name)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out.pop("legacy_decoding", None)
+        return out
 
     @property
     def num_draft_tokens(self) -> int:
@@ -287,3 +226,10 @@ class DSparkConfig(PretrainedConfig):
     @property
     def num_target_features(self) -> int:
         return len(self.target_layer_ids)
+
+
+def _moved(name: str) -> str:
+    return (
+        f"{name} is a decoding setting, not part of the draft's config: set draft.decoding.{name} (saved as "
+        f"decoding_config.json), or pass {name}= to generate for one call"
+    )

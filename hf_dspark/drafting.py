@@ -88,9 +88,14 @@ class Proposal:
     confidences: torch.Tensor | None
 
 
+def layer_outputs(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> list[torch.Tensor]:
+    """The outputs of target layers ``layer_ids``: ``hidden_states[l + 1]`` (entry 0 is the embedding)."""
+    return [hidden_states[layer + 1] for layer in layer_ids]
+
+
 def target_features(draft: DSparkDraftModel, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The target layers the draft reads, hidden_states[l + 1] for l in target_layer_ids: -> [R, n, m·d_t]."""
-    return torch.cat([hidden_states[layer + 1] for layer in draft.config.target_layer_ids], dim=-1)
+    """The target layers the draft reads, fused along features: -> [R, n, m·d_t]."""
+    return torch.cat(layer_outputs(hidden_states, draft.config.target_layer_ids), dim=-1)
 
 
 class LayerTap:

@@ -17,9 +17,6 @@ at the end of a round are cropped, so a single row never carries holes. docs/des
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,73 +25,21 @@ from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig,
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .checks import check_cache, check_finite, check_supported, keep_cache_slots, sliding_window, tree_refusal
-from .configuration_dspark import VERIFY_LAYOUTS, VERIFY_MODES, DSparkConfig
 from .costs import profile_rows, round_prices, sps_profile, tree_draft_seconds
+from .decoding_config import DecodingConfig
 from .drafting import DraftContext, LayerTap, Proposal, draft_block
 from .lm_head import verify_head
 from .lookup import lookups, one_hot_probs
 from .modeling_dspark import DSparkDraftModel
-from .proposers import DraftTreeProposer, LookupProposer, TreeRequest, propose_tree
+from .proposers import LookupProposer, TreeRequest, propose_tree, tree_proposers
 from .recalibration import AcceptanceRecalibration
-from .scheduler import ColumnPlan, SPSProfile, choose_lengths, column_plan, drafting_pays
+from .scheduler import ColumnPlan, SPSProfile, choose_lengths, choose_tree_nodes, column_plan, drafting_pays
 from .stats import DSparkStats
 from .tree import TokenTree, VerifiedTree, walk
 from .verify import probs, process, verify_row
-from .versions import CACHE_FIELD, cache_argument, cache_from
+from .versions import CACHE_FIELD, cache_argument, cache_from, takes_logits_to_keep
 
 MAX_BACKOFF = 16  # most plain rounds in a row before the draft is asked again (scheduled/async modes)
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    """How one ``generate`` call verifies: the draft's saved config, with the call's own overrides.
-
-    Overrides never touch ``draft.config``, so calls with different settings may share one draft (two visitors of
-    the demo, two threads). ``verify_mode`` is resolved: ``auto`` becomes ``scheduled`` with a confidence head,
-    else ``fixed``.
-    """
-
-    verify_mode: str
-    verify_limit: int | None
-    confidence_threshold: float
-    verify_layout: str
-    lookup_max_ngram: int
-    lookup_min_ngram: int
-    lookup_max_tokens: int | None
-    lookup_adaptive: bool
-    confidence_recalibration: bool
-    tree_top_k: int
-
-    @classmethod
-    def resolve(cls, draft: DSparkDraftModel, **overrides) -> DecodeSettings:
-        """The config's values, replaced by the non-``None`` ``overrides``; ``ValueError`` naming a bad value."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(overrides) - set(names))
-        if unknown:
-            raise ValueError(f"unknown DSpark settings {unknown}: use any of {names}")
-        values = {name: getattr(draft.config, name) for name in names}
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        mode = values["verify_mode"]
-        if mode not in VERIFY_MODES:  # the config checks on construction; this catches later assignments
-            raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {mode!r}")
-        if mode == "auto":
-            values["verify_mode"] = mode = "scheduled" if draft.confidence is not None else "fixed"
-        if draft.confidence is None and mode != "fixed":
-            raise ValueError(f"verify_mode={mode!r} needs a confidence head (the draft has confidence_head=False)")
-        limit = values["verify_limit"]
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"verify_limit must be an int >= 0 (or None: the draft's num_draft_tokens), got {limit!r}")
-        if not 0 <= values["confidence_threshold"] <= 1:
-            raise ValueError(f"confidence_threshold must lie in [0, 1], got {values['confidence_threshold']!r}")
-        recalibrate = values["confidence_recalibration"]
-        if not isinstance(recalibrate, bool):
-            raise ValueError(f"confidence_recalibration must be True or False, got {recalibrate!r}")
-        if values["verify_layout"] not in VERIFY_LAYOUTS:
-            raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {values['verify_layout']!r}")
-        settings = cls(**values)
-        DSparkConfig.validate_lookup(settings)  # the same rules the config applies to its own fields
-        DSparkConfig.validate_tree(settings)
-        return settings
 
 
 @dataclass
@@ -105,17 +50,12 @@ class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
     dspark_stats: DSparkStats | None = None
 
 
-@functools.cache
-def _takes_logits_to_keep(model_class: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
-
-
 def target_forward(target, ids, positions, attention_mask, cache, tap: LayerTap, last_logits_only: bool = False):
     """One target forward that extends ``cache``; returns (the model output, the draft's fused context [R, n, d]).
     ``last_logits_only`` (the prefill) asks the model for the last position's logits alone: the prompt's other
     positions need only hidden states, and their LM head would cost more than the rest of a long batched prefill on
     a CPU."""
-    extra = {"logits_to_keep": 1} if last_logits_only and _takes_logits_to_keep(type(target)) else {}
+    extra = {"logits_to_keep": 1} if last_logits_only and takes_logits_to_keep(type(target)) else {}
     extra[cache_argument(type(target))] = cache
     tap.expect(ids.shape[0], ids.shape[1], ids.device)
     with verify_head(target):
@@ -339,7 +279,7 @@ class Schedule:
     verify path, so the output is unchanged.
     """
 
-    settings: DecodeSettings
+    settings: DecodingConfig
     draft_tokens: int  # the draft's tokens per block (``num_draft_tokens``)
     sps: SPSProfile | None = None  # the target's verify steps per second (priced modes)
     drafting: float = 0.0  # seconds of one draft block
@@ -356,7 +296,7 @@ class Schedule:
 
     @property
     def priced(self) -> bool:
-        return self.settings.verify_mode in ("scheduled", "async")
+        return self.settings.priced
 
     def price(self, draft, target, rows: int, do_sample: bool) -> None:
         if self.priced:
@@ -524,7 +464,7 @@ class TreeSchedule:
     turns drafting off for ``backoff`` rounds (doubling, as for chains); lookup branches, which cost nothing to
     draft, are still verified then."""
 
-    settings: DecodeSettings
+    settings: DecodingConfig
     draft_tokens: int
     proposers: list
     lookup: LookupProposer | None
@@ -541,7 +481,7 @@ class TreeSchedule:
 
     @property
     def priced(self) -> bool:
-        return self.settings.verify_mode in ("scheduled", "async")
+        return self.settings.priced
 
     def price(self, draft, target) -> None:
         if self.priced:
@@ -556,21 +496,14 @@ class TreeSchedule:
 
     def select(self, tree: TokenTree, request: TreeRequest) -> list[int]:
         s, ranked = self.settings, tree.ranked(request.max_depth)[: self.budget]
-        if s.verify_mode == "threshold":
-            ranked = [n for n in ranked if tree.values[n] >= s.confidence_threshold]
-        elif self.priced:
-            sps = self.sps.plus_seconds(self.drafting if request.draft else 0.0)
-            tau, theta, chosen = 1.0, sps(1), 0
-            for B, node in enumerate(ranked, start=1):
-                tau += tree.values[node]
-                if tau * sps(1 + B) <= theta:
-                    break
-                theta, chosen = tau * sps(1 + B), B
-            ranked = ranked[:chosen]
-            if request.draft:  # back off when this drafted round is not worth a plain step in expectation
-                pays = theta > self.sps(1) and chosen > 0
-                self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
-                self.skip = self.backoff
+        drafting = self.drafting if request.draft else 0.0
+        count, pays = choose_tree_nodes(
+            s.verify_mode, [tree.values[n] for n in ranked], self.sps, s.confidence_threshold, drafting
+        )
+        ranked = ranked[:count]
+        if self.priced and request.draft:  # back off when this drafted round is not worth a plain step in expectation
+            self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
+            self.skip = self.backoff
         return sorted(ranked, key=lambda n: (tree.depths[n], n))
 
     def observe(self, verified: VerifiedTree, path: list[int]) -> list[tuple[float, bool, bool]]:
@@ -632,7 +565,7 @@ def tree_round(state: DecodeState, schedule: TreeSchedule, target, cache, tap, r
         state.keep_path([0, *result.slots], fused, positions)
 
 
-def tree_schedule(draft, target, cache, settings: DecodeSettings, rows: int, stats: DSparkStats) -> TreeSchedule | None:
+def tree_schedule(draft, target, cache, settings: DecodingConfig, rows: int, stats: DSparkStats) -> TreeSchedule | None:
     """The call's :class:`TreeSchedule`, or ``None`` (chains) when it did not ask for trees or cannot have them;
     the reason for the latter goes to ``stats.tree_fallback``."""
     if settings.tree_top_k == 1:
@@ -641,14 +574,10 @@ def tree_schedule(draft, target, cache, settings: DecodeSettings, rows: int, sta
     if reason is not None:
         stats.tree_fallback = reason
         return None
-    lookup = None
-    if settings.lookup_max_ngram > 0:
-        cap = settings.lookup_max_tokens or draft.config.num_draft_tokens
-        lookup = LookupProposer(settings.lookup_max_ngram, settings.lookup_min_ngram, cap)
-    recalibrate = settings.confidence_recalibration and settings.verify_mode in ("scheduled", "async")
+    recalibrate = settings.confidence_recalibration and settings.priced
     recalibration = AcceptanceRecalibration(draft.config.num_draft_tokens) if recalibrate else None
-    drafter = DraftTreeProposer(draft, None, settings.tree_top_k, recalibration=recalibration)
-    proposers = [drafter, *([lookup] if lookup else [])]
+    proposers = tree_proposers(draft, settings, recalibration)
+    lookup = next((p for p in proposers if isinstance(p, LookupProposer)), None)
     return TreeSchedule(settings, draft.config.num_draft_tokens, proposers, lookup, recalibration)
 
 
@@ -662,15 +591,16 @@ def dspark_decode(
     draft: DSparkDraftModel,
     streamer=None,
     synced_gpus: bool = False,
-    settings: DecodeSettings | None = None,
+    settings: DecodingConfig | None = None,
     **model_kwargs,
 ):
     """DSpark decoding with the arguments ``GenerationMixin.generate`` prepares for a decoding method.
 
-    ``input_ids`` [R, P] is a left-padded batch. ``settings``: this call's verify settings (default: the draft's
-    config). Returns the sequences [R, P + new] (rows that finish early are padded with the pad token, as plain
-    ``generate`` does), or a :class:`DSparkGenerateOutput` (``GenerateDecoderOnlyOutput`` plus this call's
-    ``dspark_stats``) when ``return_dict_in_generate``. ``draft.stats`` is the last finished call's statistics.
+    ``input_ids`` [R, P] is a left-padded batch. ``settings``: this call's resolved decoding settings (default: the
+    draft's own, ``draft.decoding``). Returns the sequences [R, P + new] (rows that finish early are padded with the
+    pad token, as plain ``generate`` does), or a :class:`DSparkGenerateOutput` (``GenerateDecoderOnlyOutput`` plus
+    this call's ``dspark_stats``) when ``return_dict_in_generate``. ``draft.stats`` is the last finished call's
+    statistics.
     """
     check_supported(generation_config, input_ids, model_kwargs, streamer)
     if synced_gpus:
@@ -687,7 +617,7 @@ def dspark_decode(
     outputs = Outputs(stats, returned and g.output_scores, returned and g.output_logits, streamer)
     # rows leave the batch as they finish, unless the caller asked for the cache back (it then covers every row)
     compact = hasattr(cache, "batch_select_indices") and not returned
-    schedule = Schedule(settings or DecodeSettings.resolve(draft), draft.config.num_draft_tokens)
+    schedule = Schedule(settings or draft.decoding.resolve(draft.confidence is not None), draft.config.num_draft_tokens)
     with LayerTap(target, draft) as tap:
         state = prefill(target, draft, input_ids, model_kwargs, cache, tap, rules, g.max_length, pad_id, outputs)
         trees = tree_schedule(draft, target, cache, schedule.settings, batch, stats)

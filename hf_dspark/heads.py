@@ -16,51 +16,99 @@ at once from known previous tokens (training, calibration), with the same ``rows
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .configuration_dspark import DSparkConfig
+if TYPE_CHECKING:  # the config reads HEADS from here for its list of head types
+    from .configuration_dspark import DSparkConfig
 
 
-class MarkovHead(nn.Module):
+class LowRankHead(nn.Module):
+    """What every sequential head is: a low-rank code [R, r] computed from (x_{k-1}, h_k, state), and the bias
+    B_k = code · W2ᵀ. Kernels and drafting read a head through this interface only: :meth:`low_rank_code`,
+    :attr:`output_weight` (W2), :attr:`embedding_weight` (W1) and ``code_is_embedding``.
+
+    ``code_is_embedding``: the code is W1[x_{k-1}] itself (the plain Markov head), so a kernel may gather it from
+    :attr:`embedding_weight` and fuse the confidence head's dot product, instead of receiving it computed.
+    """
+
+    code_is_embedding = False
+
+    def low_rank_code(self, prev: torch.Tensor, h: torch.Tensor, state=None):
+        """prev [R], h [R, d], state -> (code [R, r], feature W1[x_{k-1}] [R, r], new state)."""
+        raise NotImplementedError
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """W2 [rows, r]: one row per target token, or per draft-vocabulary token (``head_vocab = "draft"``)."""
+        return self.markov_w2.weight
+
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        """W1 [V, r]."""
+        return self.markov_w1.weight
+
+    def step(self, prev: torch.Tensor, h: torch.Tensor, state=None, rows: torch.Tensor | None = None):
+        """-> bias [R, V] (or [R, len(rows)] over a vocabulary subset given as W2's rows), feature, state."""
+        code, e, state = self.low_rank_code(prev, h, state)
+        return (self.markov_w2(code) if rows is None else F.linear(code, rows)), e, state
+
+    def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor, rows: torch.Tensor | None = None):
+        """prev [..., γ], h [..., γ, d] -> bias [..., γ, V] (or [..., γ, len(rows)]), feature [..., γ, r]: the γ
+        steps from known previous tokens, left to right (a stateless head overrides this with one batched call)."""
+        state, biases, feats = None, [], []
+        for k in range(prev.shape[-1]):
+            b, e, state = self.step(prev[..., k], h[..., k, :], state, rows)
+            biases.append(b)
+            feats.append(e)
+        return torch.stack(biases, dim=-2), torch.stack(feats, dim=-2)
+
+
+class MarkovHead(LowRankHead):
     """B(x_{k-1}, ·) = W1[x_{k-1}] · W2, with W1 ∈ R^{V×r} and W2 ∈ R^{r×V} (stored as Linear r→V)."""
+
+    code_is_embedding = True
 
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, out_rows: int | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, out_rows or vocab_size, bias=False)
 
-    def _mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The code from W1[x_{k-1}] and h_k: W1[x_{k-1}] itself here; gated in :class:`GatedMarkovHead`."""
         return e
 
-    def step(self, prev: torch.Tensor, h: torch.Tensor, state=None, rows: torch.Tensor | None = None):
-        """-> bias [R, V] (or [R, len(rows)] over a vocabulary subset given as W2's rows), feature, state."""
+    def low_rank_code(self, prev: torch.Tensor, h: torch.Tensor, state=None):
         e = self.markov_w1(prev)
-        code = self._mix(e, h)
-        return (self.markov_w2(code) if rows is None else F.linear(code, rows)), e, state
+        return self.mix(e, h), e, state
 
     def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor, rows: torch.Tensor | None = None):
-        """prev [..., γ], h [..., γ, d] -> bias [..., γ, V] (or [..., γ, len(rows)]), feature [..., γ, r]."""
         e = self.markov_w1(prev)
-        code = self._mix(e, h)
+        code = self.mix(e, h)
         return (self.markov_w2(code) if rows is None else F.linear(code, rows)), e
 
 
 class GatedMarkovHead(MarkovHead):
     """Markov head whose low-rank code is gated by the slot's hidden state: W1[x] ⊙ σ(W_g [h_k; W1[x]])."""
 
+    code_is_embedding = False
+
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, out_rows: int | None = None):
         super().__init__(vocab_size, hidden_size, rank, out_rows)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
-    def _mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return e * torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
 
 
-class RNNHead(nn.Module):
+class RNNHead(LowRankHead):
     """Gated recurrent head: z_k = [s_{k-1}; W1[x_{k-1}]; h_k], s_k = g ⊙ s_{k-1} + (1-g) ⊙ tanh(W_c z_k),
-    B_k = W2ᵀ tanh(W_o z_k), with g = σ(W_g z_k) and W_g, W_c, W_o one joint linear (2r + d) -> 3r; s_0 = 0."""
+    B_k = W2ᵀ tanh(W_o z_k), with g = σ(W_g z_k) and W_g, W_c, W_o one joint linear (2r + d) -> 3r; s_0 = 0.
+    (W1 and W2 keep the Markov head's parameter names, ``markov_w1``/``markov_w2``: the checkpoint layouts of
+    DeepSpec and speculators name them so for every head type.)"""
 
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, out_rows: int | None = None):
         super().__init__()
@@ -69,7 +117,7 @@ class RNNHead(nn.Module):
         self.rnn_cell = nn.Linear(2 * rank + hidden_size, 3 * rank)
         self.markov_w2 = nn.Linear(rank, out_rows or vocab_size, bias=False)
 
-    def code_step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None):
+    def low_rank_code(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None):
         """-> (code tanh(W_o z_k) [R, r], feature W1[x_{k-1}] [R, r], new state [R, r]); the bias is code · W2ᵀ."""
         e = self.markov_w1(prev)
         if state is None:
@@ -78,18 +126,6 @@ class RNNHead(nn.Module):
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(cand)
         return torch.tanh(out), e, state
-
-    def step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None, rows=None):
-        code, e, state = self.code_step(prev, h, state)
-        return (self.markov_w2(code) if rows is None else F.linear(code, rows)), e, state
-
-    def teacher_forced(self, prev: torch.Tensor, h: torch.Tensor, rows: torch.Tensor | None = None):
-        state, biases, feats = None, [], []
-        for k in range(prev.shape[-1]):
-            b, e, state = self.step(prev[..., k], h[..., k, :], state, rows)
-            biases.append(b)
-            feats.append(e)
-        return torch.stack(biases, dim=-2), torch.stack(feats, dim=-2)
 
 
 HEADS = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
@@ -115,6 +151,10 @@ class ConfidenceHead(nn.Module):
         super().__init__()
         self.feature_size = feature_size  # 0: reads h_k only
         self.confidence_head = nn.Linear(hidden_size + feature_size, 1)
+
+    def weight_and_bias(self) -> tuple[torch.Tensor, float]:
+        """w [d + feature_size] and the bias, for a kernel that fuses wᵀ[h_k; W1[x_{k-1}]] into its own loop."""
+        return self.confidence_head.weight[0], float(self.confidence_head.bias[0])
 
     def logit(self, h: torch.Tensor, feature: torch.Tensor | None) -> torch.Tensor:
         x = h if feature is None or self.feature_size == 0 else torch.cat([h, feature], dim=-1)

@@ -23,7 +23,8 @@ import inspect
 
 from transformers.generation.utils import GenerationMixin
 
-from .generation import DecodeSettings, dspark_decode
+from .decoding_config import DecodingConfig
+from .generation import dspark_decode
 from .modeling_dspark import DSparkDraftModel
 
 _ORIGINALS: dict[str, object] = {}
@@ -75,6 +76,7 @@ def dspark_generate(
     lookup_min_ngram: int | None = None,
     lookup_max_tokens: int | None = None,
     lookup_adaptive: bool | None = None,
+    verify_layout: str | None = None,
     confidence_recalibration: bool | None = None,
     tree_top_k: int | None = None,
     **model_kwargs,
@@ -84,9 +86,9 @@ def dspark_generate(
 
     ``generate`` passes the prepared ``input_ids`` [R, P] (left-padded for a batch), logits processors, stopping
     criteria, generation config and model kwargs (attention mask, cache), plus the keywords this signature declares:
-    ``draft``, and this call's settings (``verify_mode``, ``verify_limit``, ``confidence_threshold``,
-    ``lookup_max_ngram``, ``lookup_min_ngram``, ``lookup_max_tokens``, ``lookup_adaptive``,
-    ``confidence_recalibration``, ``tree_top_k``; ``None``: the draft's saved config, which is never changed).
+    ``draft``, and this call's decoding settings: every field of
+    :class:`~hf_dspark.decoding_config.DecodingConfig`, ``None`` keeping the draft's own (``draft.decoding``, which
+    the call never changes).
     Returns what :func:`dspark_decode` returns: sequences [R, P + new], or a ``DSparkGenerateOutput`` (with this
     call's ``dspark_stats``) with ``return_dict_in_generate=True``.
 
@@ -104,11 +106,9 @@ def dspark_generate(
         raise ValueError("DSpark generation does not support beam search (num_beams must be 1).")
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError("DSpark generation does not support num_return_sequences > 1.")
-    settings = DecodeSettings.resolve(
-        draft, verify_mode=verify_mode, verify_limit=verify_limit, confidence_threshold=confidence_threshold,
-        lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram, lookup_max_tokens=lookup_max_tokens,
-        lookup_adaptive=lookup_adaptive, confidence_recalibration=confidence_recalibration, tree_top_k=tree_top_k,
-    )  # fmt: skip
+    call = locals()
+    overrides = {name: call[name] for name in DecodingConfig.field_names()}  # the signature declares each one
+    settings = draft.decoding.resolve(draft.confidence is not None, **overrides)
     return dspark_decode(
         model, input_ids, logits_processor, stopping_criteria, generation_config, draft=draft,
         streamer=_callers_streamer(model), settings=settings, **model_kwargs,

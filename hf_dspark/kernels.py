@@ -13,7 +13,7 @@ import os
 import torch
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
-from .heads import MarkovHead, RNNHead
+from .heads import LowRankHead
 
 BACKENDS = ("auto", "triton", "torch")
 # The fused step reads W2 once per row, the PyTorch path once per step. On an H200 (2026-12-04, bf16, r = 256;
@@ -46,7 +46,7 @@ def use_kernels(draft, device: torch.device, logits_processor, rows: int = 1) ->
     if choice == "torch" or (choice == "auto" and (device.type != "cuda" or rows > AUTO_MAX_ROWS)):
         return False
     head = draft.sequential_head
-    if not draft.head_enabled or type(head) not in (MarkovHead, RNNHead) or fused_temperature(logits_processor) is None:
+    if not draft.head_enabled or not isinstance(head, LowRankHead) or fused_temperature(logits_processor) is None:
         return False
     try:
         import dspark_heads  # noqa: F401
@@ -62,39 +62,25 @@ def fused_head_step(draft, base_logits, hidden, prev, state, temperature, sample
 
     head, conf_head = draft.sequential_head, draft.confidence
     full = draft.head_full_rows()  # set when W2 stores draft-vocabulary rows only
-    w2 = head.markov_w2.weight if full is None else full
+    w2 = head.output_weight if full is None else full
     seed = int(torch.randint(2**31 - 1, (1,)).item()) if sample else 0
-    if isinstance(head, RNNHead) or (conf_head is not None and conf_head.feature_size == 0):
-        # the confidence is computed beside the kernel: it reads W1[x] (RNN) or h_k alone
-        if isinstance(head, RNNHead):
-            code, feature, state = head.code_step(prev, hidden, state)
-        else:
-            feature = code = head._mix(head.markov_w1(prev), hidden)
+    if not head.code_is_embedding or (conf_head is not None and conf_head.feature_size == 0):
+        # the code comes computed (RNN, gated) and the confidence beside the kernel (it reads W1[x] or h_k alone)
+        code, feature, state = head.low_rank_code(prev, hidden, state)
         scores, tokens, lse, _ = lowrank_step(
             base_logits, w2, code=code, temperature=temperature, sample=sample, seed=seed
         )
         conf = None
         if conf_head is not None:
             conf = conf_head.calibrated(conf_head.logit(hidden, feature), conf_temperature)
-    else:
+    else:  # the kernel gathers W1[x_{k-1}] itself and fuses the confidence head's dot product
         kw = {}
         if conf_head is not None:
-            lin = conf_head.confidence_head
-            kw = dict(
-                hidden=hidden,
-                conf_weight=lin.weight[0],
-                conf_bias=float(lin.bias[0]),
-                conf_temperature=conf_temperature or 1.0,
-            )
+            weight, bias = conf_head.weight_and_bias()
+            kw = dict(hidden=hidden, conf_weight=weight, conf_bias=bias, conf_temperature=conf_temperature or 1.0)
         scores, tokens, lse, conf = lowrank_step(
-            base_logits,
-            w2,
-            prev=prev,
-            w1=head.markov_w1.weight,
-            temperature=temperature,
-            sample=sample,
-            seed=seed,
+            base_logits, w2, prev=prev, w1=head.embedding_weight, temperature=temperature, sample=sample, seed=seed,
             **kw,
-        )
+        )  # fmt: skip
     probs = torch.exp(scores - lse[:, None]) if sample else None
     return scores, tokens, probs, conf, state

@@ -3,7 +3,7 @@
 Code and worked answers repeat their prompt and themselves (identifiers, numbers, whole lines). When a row's last
 n tokens occurred earlier in its history, the tokens that followed that occurrence are a free draft, often longer
 and surer than a small draft model's. The DSpark loop verifies such a continuation in place of the draft's block
-(``DSparkConfig.lookup_max_ngram``); verification is unchanged, so the output stays exactly the target's. The
+(``DecodingConfig.lookup_max_ngram``); verification is unchanged, so the output stays exactly the target's. The
 proposal is deterministic, so for sampling its q is one-hot (:func:`one_hot_probs`) and rejection sampling accepts
 a looked-up token x with probability p(x).
 """
@@ -43,13 +43,14 @@ def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(tokens, vocab_size).float()
 
 
-def lookups(config, histories: list[torch.Tensor], room: list[int]) -> dict[int, torch.Tensor]:
+def lookups(settings, histories: list[torch.Tensor], room: list[int]) -> dict[int, torch.Tensor]:
     """Lookup drafting for one round: {row: the continuation [k ≤ room[r]] it verifies}, for the rows with room
-    whose last n-gram occurred earlier in their history (``config.lookup_max_ngram`` down to ``lookup_min_ngram``)."""
+    whose last n-gram occurred earlier in their history (``settings``, a ``DecodingConfig``: ``lookup_max_ngram``
+    down to ``lookup_min_ngram``)."""
     found = {}
     for r, h in enumerate(histories):
         if room[r] > 0:
-            tokens = lookup_continuation(h, config.lookup_max_ngram, config.lookup_min_ngram, room[r])
+            tokens = lookup_continuation(h, settings.lookup_max_ngram, settings.lookup_min_ngram, room[r])
             if tokens.numel():
                 found[r] = tokens
     return found

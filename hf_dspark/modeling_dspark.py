@@ -19,17 +19,9 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .checkpoint_files import check_weight_files, checkpoint_folder, read_config
-from .compat import (
-    is_deepspec_config,
-    is_dflash_config,
-    is_muse_glimmer_config,
-    is_speculators_config,
-    load_deepspec,
-    load_dflash,
-    load_muse_glimmer,
-    load_speculators,
-)
+from .compat import registry
 from .configuration_dspark import DSparkConfig
+from .decoding_config import DECODING_CONFIG_NAME, DecodingConfig
 from .heads import ConfidenceHead, build_sequential_head
 from .stats import DSparkStats
 
@@ -183,6 +175,8 @@ class DSparkDraftModel(PreTrainedModel):
             self.draft_vocab = None
         self._vocab_rows: dict | None = None  # name -> (key, value) of _cached, rebuilt on any change
         self._target: _TargetRef | None = None
+        # How to decode (decoding_config.json): defaults that every generate call may override for itself.
+        self.decoding = DecodingConfig.from_dict(c.legacy_decoding, "config") if c.legacy_decoding else DecodingConfig()
         self.stats = DSparkStats(num_draft_tokens=c.num_draft_tokens)  # the last finished generate call's
         self.sps_profile = None  # hf_dspark.scheduler.SPSProfile set by the user; overrides the measured ones
         self.head_enabled = True  # False: propose from the parallel backbone alone (demo toggle, ablations)
@@ -202,15 +196,21 @@ class DSparkDraftModel(PreTrainedModel):
             nn.init.normal_(self.mask_embedding, std=std)
         if module is self.sequential_head:
             # The sequential head starts neutral: the draft begins as its parallel backbone.
-            nn.init.zeros_(module.markov_w2.weight)
+            nn.init.zeros_(module.output_weight)
 
     # ----- the target it borrows from -------------------------------------------------------------------------
 
     @property
-    def target(self) -> nn.Module:
+    def borrowed(self) -> _TargetRef:
+        """What the draft borrows from its target (``model``, ``embed_tokens``, ``lm_head``); ``RuntimeError`` when
+        it is not attached."""
         if self._target is None:
             raise RuntimeError("This draft is not attached to a target: call draft.attach(target) first.")
-        return self._target.model
+        return self._target
+
+    @property
+    def target(self) -> nn.Module:
+        return self.borrowed.model
 
     def check_target(self, target: nn.Module) -> None:
         """Raise ``ValueError`` naming each field where ``target`` differs from the target this draft was built for."""
@@ -356,9 +356,7 @@ class DSparkDraftModel(PreTrainedModel):
     def draft_vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] -> base logits over the draft vocabulary only, [..., len(draft_vocab)] (column i is token
         ``draft_vocab[i]``). Needs a draft vocabulary."""
-        head = self._target.lm_head if self._target is not None else None
-        if head is None:
-            raise RuntimeError("This draft is not attached to a target: call draft.attach(target) first.")
+        head = self.borrowed.lm_head
         weight, bias = self._subset_rows("lm_head", head.weight, getattr(head, "bias", None))
         return F.linear(h.to(weight.dtype), weight, bias)
 
@@ -393,9 +391,7 @@ class DSparkDraftModel(PreTrainedModel):
         return self._target is not None
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        if self._target is None:
-            raise RuntimeError("This draft is not attached to a target: call draft.attach(target) first.")
-        return self._target.lm_head(h)
+        return self.borrowed.lm_head(h)
 
     # ----- backbone -------------------------------------------------------------------------------------------
 
@@ -424,9 +420,7 @@ class DSparkDraftModel(PreTrainedModel):
 
     def embed_block(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """anchor_ids [...] -> block inputs [..., γ, d]: the anchor's embedding then γ-1 mask embeddings."""
-        embed = self._target.embed_tokens if self._target is not None else None
-        if embed is None:
-            raise RuntimeError("This draft is not attached to a target: call draft.attach(target) first.")
+        embed = self.borrowed.embed_tokens
         anchor = embed(anchor_ids).to(self.dtype)
         if self.config.mask_token_id is None:
             mask = self.mask_embedding.to(anchor.dtype)
@@ -575,6 +569,9 @@ class DSparkDraftModel(PreTrainedModel):
         if problems:
             raise ValueError(f"Malformed DSpark checkpoint {pretrained_model_name_or_path}: " + "; ".join(problems))
         _check_vocab(pretrained_model_name_or_path, model, vocab)
+        saved = checkpoint_folder(pretrained_model_name_or_path, kwargs)
+        if (saved / DECODING_CONFIG_NAME).is_file():  # else a checkpoint from before the split: config.json's
+            model.decoding = DecodingConfig.from_pretrained(saved)
         return (model, info) if want_info else model
 
     @classmethod
@@ -586,32 +583,24 @@ class DSparkDraftModel(PreTrainedModel):
         ``ValueError`` naming the file for a damaged one or a config.json that is neither ours nor a layout we know."""
         folder = checkpoint_folder(name_or_path, kwargs)
         raw = read_config(folder)
-        loaders = ((is_speculators_config, load_speculators), (is_deepspec_config, load_deepspec),
-                   (is_dflash_config, load_dflash), (is_muse_glimmer_config, load_muse_glimmer))  # fmt: skip
-        if raw.get("model_type") == "dspark":
-            check_weight_files(folder)
+        fmt = registry.detect(raw)
+        if fmt is None:
+            raise registry.unknown_layout(name_or_path, raw)
+        check_weight_files(folder)
+        if fmt.load is None:  # our own layout: PreTrainedModel.from_pretrained reads it
             return None
-        vocab = kwargs.get("target_vocab_size")
-        for matches, load in loaders:
-            if matches(raw):
-                check_weight_files(folder)
-                # transformers' native drafters do not record their target's vocabulary: the caller names it
-                extra = {"target_vocab_size": vocab} if load is load_muse_glimmer else {}
-                model = load(cls, folder, raw, dtype=kwargs.get("dtype"), **extra)
-                _check_vocab(name_or_path, model, vocab)
-                return model
-        raise ValueError(
-            f"{name_or_path}: unknown checkpoint layout (model_type={raw.get('model_type')!r}, "
-            f"architectures={raw.get('architectures')}); expected a DSpark draft (model_type 'dspark'), "
-            "DeepSpec's Qwen3DSparkModel layout, z-lab's DFlashDraftModel layout, a speculators DSpark/DFlash draft "
-            "or transformers' MuseGlimmerAssistantModel"
-        )
+        vocab = kwargs.get("target_vocab_size")  # transformers' native drafters do not record it: the caller does
+        model = fmt.load(cls, folder, raw, dtype=kwargs.get("dtype"), target_vocab_size=vocab)
+        _check_vocab(name_or_path, model, vocab)
+        return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Like ``PreTrainedModel.save_pretrained``, always safetensors; the borrowed target weights are not saved.
         Inside :meth:`push_to_hub` it also writes ``custom_generate/`` for the repository being pushed to."""
         kwargs["safe_serialization"] = True
         result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            self.decoding.save_pretrained(save_directory)
         repo_id = getattr(self, "_pushing_to", None)
         if repo_id is not None and kwargs.get("is_main_process", True):
             from .hub_generate import write_custom_generate

@@ -162,3 +162,14 @@ def propose_tree(proposers: list[Proposer], request: TreeRequest) -> TokenTree:
     for proposer in proposers:
         proposer.propose(tree, request)
     return tree
+
+
+def tree_proposers(draft, settings, recalibration=None) -> list[Proposer]:
+    """The proposers one call's trees merge, from its settings (a ``DecodingConfig``): the draft's branches, and
+    lookup continuations when ``lookup_max_ngram`` > 0. ``recalibration``: the draft proposer's confidence shift,
+    fed by the schedule from each walk. A new proposer is a class above and a line here."""
+    proposers: list[Proposer] = [DraftTreeProposer(draft, None, settings.tree_top_k, recalibration=recalibration)]
+    if settings.lookup_max_ngram > 0:
+        cap = settings.lookup_max_tokens or draft.config.num_draft_tokens
+        proposers.append(LookupProposer(settings.lookup_max_ngram, settings.lookup_min_ngram, cap))
+    return proposers

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .configuration_dspark import VERIFY_LAYOUTS
+from .decoding_config import PRICED_MODES, VERIFY_LAYOUTS
 from .lm_head import head_orientation, verify_head
 from .recalibration import AcceptanceRecalibration
 
@@ -466,3 +466,29 @@ def column_plan(
     if mode == "scheduled" and (layout == "padded" or len(caps) == 1):
         return ColumnPlan(caps, sps=sps, recalibration=recalibration)
     return None
+
+
+def choose_tree_nodes(
+    mode: str, values: list[float], sps: SPSProfile | None, threshold: float, draft_seconds: float = 0.0
+) -> tuple[int, bool]:
+    """How many of a tree's best nodes to verify, ``values`` being their path values (estimated probabilities that
+    the target's walk reaches them) in the order :meth:`hf_dspark.tree.TokenTree.ranked` gives them (ancestors
+    first, so every prefix of that order is ancestor-closed). -> (count, whether drafting paid for itself).
+
+    ``fixed`` takes them all; ``threshold`` the leading ones valued ≥ ``threshold`` (values fall along paths);
+    ``scheduled``/``async`` run Algorithm 1 over nodes: admit while τ·SPS(1 + B) rises, τ = 1 + Σ values, with the
+    drafting cost ``draft_seconds`` added to every step, and stop at the first non-improvement (the early stop
+    keeps the choice from depending on nodes below a rejected one). Drafting paid when the plan's expected rate
+    beats a plain step's (``sps(1)``) with at least one node."""
+    if mode == "threshold":
+        return next((i for i, v in enumerate(values) if v < threshold), len(values)), True
+    if mode not in PRICED_MODES:
+        return len(values), True
+    priced = sps.plus_seconds(draft_seconds)
+    tau, theta, chosen = 1.0, priced(1), 0
+    for B, value in enumerate(values, start=1):
+        tau += value
+        if tau * priced(1 + B) <= theta:
+            break
+        theta, chosen = tau * priced(1 + B), B
+    return chosen, chosen > 0 and theta > sps(1)

@@ -16,7 +16,7 @@ class DSparkStats:
     In a batch, every active row's verification in a round is one entry; ``verify_rounds`` keeps the verify
     lengths the scheduler chose per round (one list per round, one entry per active row) and ``round_rows`` the
     batch indices of those rows (rows leave the batch when they finish). ``looked_up[i]`` says whether entry i
-    verified a lookup continuation (``DSparkConfig.lookup_max_ngram``) rather than the draft's block; τ and the
+    verified a lookup continuation (``DecodingConfig.lookup_max_ngram``) rather than the draft's block; τ and the
     per-position acceptance count both kinds.
 
     Token trees (``tree_top_k`` > 1): ``proposed[i]`` counts the tree's nodes verified, ``depths[i]`` its deepest
@@ -70,18 +70,3 @@ class DSparkStats:
             passed = sum(1 for p, a in zip(self.depths, self.accepted, strict=True) if p >= k and a >= k)
             out.append(passed / reached if reached else None)
         return out
-
-    def as_dict(self) -> dict:
-        return {
-            "rounds": self.rounds,
-            "tau": self.tau,
-            "position_acceptance": self.position_acceptance(),
-            "proposed": self.proposed,
-            "accepted": self.accepted,
-            "committed": self.committed,
-            "verify_rounds": self.verify_rounds,
-            "round_rows": self.round_rows,
-            "looked_up": self.looked_up,
-            "depths": self.depths,
-            "tree_fallback": self.tree_fallback,
-        }

@@ -37,3 +37,9 @@ def cache_from(model_kwargs: dict):
     """The cache ``generate`` prepared for a decoding method, under either name (``None`` if there is none)."""
     cache = model_kwargs.get("cache")
     return cache if cache is not None else model_kwargs.get("past_key_values")
+
+
+@functools.cache
+def takes_logits_to_keep(model_class: type) -> bool:
+    """Whether ``model_class.forward`` takes ``logits_to_keep`` (a forward that needs no logits then skips them)."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters

@@ -22,7 +22,7 @@ from smollm2_prepare import ANSWERS
 from smollm2_ship import held_out_prompts, load_run
 from smollm2_train import STATE, is_held_out
 
-from hf_dspark import DSparkDraftModel
+from hf_dspark import DSparkDraftModel, dspark_generate
 from hf_dspark.embedded import load_target
 from hf_dspark.stats import DSparkStats
 from hf_dspark.training.data import frequent_tokens, left_pad, load_dataset
@@ -31,13 +31,14 @@ from hf_dspark.training.data import frequent_tokens, left_pad, load_dataset
 def heldout_stats(target, draft, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8) -> DSparkStats:
     """Every round of greedy fixed-mode decoding of ``prompts`` by the draft alone (no lookup drafting, which a
     shipped config may turn on), pooled into one :class:`DSparkStats`."""
-    draft.config.verify_mode, draft.config.lookup_max_ngram = "fixed", 0
+    alone = {"verify_mode": "fixed", "verify_limit": draft.config.num_draft_tokens, "lookup_max_ngram": 0,
+             "tree_top_k": 1}  # fmt: skip
     pooled = DSparkStats(draft.config.block_size)
     for i in range(0, len(prompts), batch_size):
         ids, mask = left_pad(prompts[i : i + batch_size], 2)
         target.generate(
-            input_ids=ids, attention_mask=mask, assistant_model=draft, max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=2,
+            input_ids=ids, attention_mask=mask, custom_generate=dspark_generate, draft=draft,
+            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, **alone,
         )  # fmt: skip
         s = draft.stats
         for p, a, c in zip(s.proposed, s.accepted, s.committed, strict=True):

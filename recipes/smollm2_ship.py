@@ -215,8 +215,8 @@ def main() -> None:
         shipped.set_draft_vocab(frequent_tokens(train_rows, args.draft_vocab, always=tokenizer.all_special_ids))
     if shipped.draft_vocab is not None:
         shipped.set_head_vocab("draft")  # W2 keeps the rows of tokens it can propose: 2.6M parameters (5.2 MB) fewer
-    shipped.config.lookup_max_ngram = args.lookup  # lookup drafting on by default (README: Lookup drafting)
-    shipped.config.lookup_max_tokens = args.lookup_tokens
+    shipped.decoding.lookup_max_ngram = args.lookup  # lookup drafting on by default (README: Lookup drafting)
+    shipped.decoding.lookup_max_tokens = args.lookup_tokens
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shipped.save_pretrained(tmp)

@@ -142,7 +142,7 @@ def compare_decoding(ds, theirs, ours, target, prompt) -> dict:
     evaluator.target_model, evaluator.draft_model, evaluator.confidence_head_recorder = target, theirs, None
     evaluator.args = SimpleNamespace(max_new_tokens=NEW_TOKENS, temperature=0.0, confidence_threshold=0.0)
     sample = evaluator.generate_one_sample(input_ids=prompt, stop_token_ids=None)
-    ours.config.verify_mode = "fixed"
+    ours.decoding.verify_mode = "fixed"
     out = target.generate(prompt, custom_generate=dspark_generate, draft=ours, max_new_tokens=NEW_TOKENS,
                           do_sample=False)  # fmt: skip
     theirs_counts, ours_counts = list(sample.accepted_draft_lengths), list(ours.stats.accepted)

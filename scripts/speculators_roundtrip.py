@@ -97,7 +97,7 @@ def main() -> None:
 
         back = DSparkDraftModel.from_pretrained(folder).float().attach(target).eval()
         for d in (draft, back):
-            d.config.verify_mode = "fixed"
+            d.decoding.verify_mode = "fixed"
         mine, again = (
             decode(target, draft, prompts, args.max_new_tokens),
             decode(target, back, prompts, args.max_new_tokens),

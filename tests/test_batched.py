@@ -44,8 +44,8 @@ def scripted_draft(draft, refs, right):
 def test_batched_greedy_equals_per_row_plain_greedy(mode, arch):
     target = tiny_target(arch, dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = mode
-    draft.config.confidence_threshold = 0.5
+    draft.decoding.verify_mode = mode
+    draft.decoding.confidence_threshold = 0.5
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
     # an EOS that row 0 produces early, so rows finish at different times
     probe = target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=20, do_sample=False)[0, len(PROMPTS[0]) :]
@@ -86,7 +86,7 @@ def test_finished_rows_leave_the_batch(mode, monkeypatch):
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = mode
+    draft.decoding.verify_mode = mode
     measured, draft_rows, verify_rows = [], [], []
     fake = classmethod(lambda cls, t, grid, rows: measured.append(rows) or cls.from_callable(lambda B: 1 / B**0.1))
     monkeypatch.setattr(scheduler.SPSProfile, "measure", fake)
@@ -129,7 +129,7 @@ def test_finished_rows_leave_the_batch(mode, monkeypatch):
 def test_return_dict_keeps_every_row_in_the_returned_cache():
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     probe = target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=12, do_sample=False)[0, len(PROMPTS[0]) :]
     ids, mask = left_pad(PROMPTS)
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=int(probe[2]), pad_token_id=PAD)
@@ -152,7 +152,7 @@ def test_batched_rows_accept_different_amounts():
     round and the caches stay consistent (outputs still exact)."""
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="none")
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     refs = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :] for p in PROMPTS]
     ids, mask = left_pad(PROMPTS)
     width = ids.shape[1]
@@ -197,7 +197,7 @@ def test_smollm2_batch_of_four_prompts(smollm2):
 def test_verify_limit_caps_every_mode():
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8)
-    draft.config.verify_mode, draft.config.verify_limit = "fixed", 2
+    draft.decoding.verify_mode, draft.decoding.verify_limit = "fixed", 2
     ids, mask = left_pad(PROMPTS[:2])
     out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft)
     assert max(max(v) for v in draft.stats.verify_rounds) == 2
@@ -256,7 +256,7 @@ def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
     runs, real = {}, (bench.generation.draft_block, bench.generation.choose_lengths)
     diverged = set()
     for name in ("fixed", "oracle"):
-        draft.config.verify_mode, draft.config.verify_limit = "fixed", None
+        draft.decoding.verify_mode, draft.decoding.verify_limit = "fixed", None
         with bench.hindsight(plain.tolist(), diverged) if name == "oracle" else bench.nullcontext():
             out = target.generate(ids, **kw)
         assert out.tolist() == plain.tolist(), name

@@ -27,7 +27,7 @@ def _draft(target, mode="fixed", seed=0, **kw):
     with torch.no_grad():  # a head that matters, and confidences that vary
         draft.sequential_head.markov_w2.weight.normal_(0, 1.0)
         draft.confidence.confidence_head.weight.normal_(0, 1.0)
-    draft.config.verify_mode = mode
+    draft.decoding.verify_mode = mode
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0)  # verifying is free: every column pays
     return draft
 
@@ -126,7 +126,7 @@ def test_sampling_matches_target_distribution_without_the_patch():
     kw = CASES["top-k-top-p"]
     target = tiny_target("llama", vocab_size=VOCAB, dtype=torch.float64, seed=3, tie_word_embeddings=False)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     torch.manual_seed(1)
     with torch.no_grad():
         draft.sequential_head.markov_w2.weight.normal_(0, 2.0)

@@ -41,7 +41,7 @@ class Oracle:
 
     def __init__(self, draft, reference, wrong_slots=()):
         self.reference, self.wrong_slots, self.vocab = reference[0], set(wrong_slots), draft.config.target_vocab_size
-        draft.config.verify_mode = "fixed"  # verify every proposal, so acceptance counts are the oracle's
+        draft.decoding.verify_mode = "fixed"  # verify every proposal, so acceptance counts are the oracle's
         original = draft.forward
 
         def forward(
@@ -260,7 +260,7 @@ def test_draft_context_is_extended_only_with_new_positions(monkeypatch):
     target = tiny_target("llama")
     ids = _prompt(12)
     draft = DSparkDraftModel.from_target(target, block_size=4)
-    draft.config.verify_mode = "fixed"  # every round drafts (no back-off), so every round projects
+    draft.decoding.verify_mode = "fixed"  # every round drafts (no back-off), so every round projects
     costs.draft_seconds(draft, 1)  # the scheduler's one-off timing of a draft block, on a made-up context
     projected = []
     original = draft.fused_key_values
@@ -354,7 +354,7 @@ def test_scheduler_backs_off_drafting_when_it_does_not_pay(case, monkeypatch):
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: cost)
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = "scheduled"
+    draft.decoding.verify_mode = "scheduled"
     draft.sps_profile = SPSProfile.from_callable((lambda B: 1.0 / B) if steep else (lambda B: 1.0))
     calls = []
     original = draft.forward
@@ -431,7 +431,7 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8).double()
-    draft.config.verify_mode, draft.config.confidence_threshold = mode, 0.5
+    draft.decoding.verify_mode, draft.decoding.confidence_threshold = mode, 0.5
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.05 * B))
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
     with torch.no_grad():  # confidences spread over (0, 1), so plans end at different slots
@@ -473,7 +473,7 @@ def test_prefill_computes_logits_for_the_last_prompt_position_only():
     (on a CPU, more than the rest of a long batched prefill)."""
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     ids = _prompt(3, length=11)
     shapes = []
     handle = target.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.logits.shape)))
@@ -497,14 +497,14 @@ def test_decode_calibration_data_follows_the_rounds():
     ids = _prompt(1)
     ref = target.generate(ids, max_new_tokens=21, do_sample=False)
     Oracle(draft, ref, wrong_slots=(2,))
-    draft.config.verify_mode, draft.config.sts_temperatures = "scheduled", [2.0] * 4
-    draft.config.lookup_max_ngram = 2  # as a shipped config may have it: calibration decodes with the draft alone
+    draft.decoding.verify_mode, draft.config.sts_temperatures = "scheduled", [2.0] * 4
+    draft.decoding.lookup_max_ngram = 2  # as a shipped config may have it: calibration decodes with the draft alone
     raw = []
     original = draft.confidence.logit
     draft.confidence.logit = lambda h, f: raw.append(original(h, f)) or raw[-1]
     logits, accepted = collect_decode_confidence(target, draft, [ids[0].tolist()], max_new_tokens=21, batch_size=1)
-    assert draft.config.verify_mode == "scheduled" and draft.config.sts_temperatures == [2.0] * 4  # restored
-    assert draft.config.lookup_max_ngram == 2 and not any(draft.stats.looked_up)
+    assert draft.decoding.verify_mode == "scheduled" and draft.config.sts_temperatures == [2.0] * 4  # restored
+    assert draft.decoding.lookup_max_ngram == 2 and not any(draft.stats.looked_up)
     full = [i for i, p in enumerate(draft.stats.proposed) if p == 4]
     assert len(full) >= 5 and logits.shape == accepted.shape == (len(full), 4)
     assert accepted.tolist() == [[1.0, 1.0, 0.0, 0.0]] * len(full)  # the oracle is wrong at slot 2 only

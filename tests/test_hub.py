@@ -99,8 +99,8 @@ def test_card_renders_config_and_results(tmp_path):
     assert "| block size γ | 4 |" in card and "| sequential head | markov (rank 8) |" in card
     assert "per-position temperatures [1.5, 1.2, 1.1, 1.0] (fitted on 4000 blocks of greedy DSpark decoding in" in card
     assert "| draft vocabulary | 3 tokens (proposals restricted to them;" in card
-    assert "| lookup drafting | off (`config.lookup_max_ngram = 3` turns it on) |" in card
-    draft.config.lookup_max_ngram = 4
+    assert "| lookup drafting | off (`decoding.lookup_max_ngram = 3` turns it on) |" in card
+    draft.decoding.lookup_max_ngram = 4
     draft.save_pretrained(tmp_path)
     assert "| lookup drafting | on: n-grams of 4 down to 2 tokens that occurred earlier" in render_card(tmp_path)
     assert "| gsm8k | 0.0 | 30 | 3.21 | 0.50 | 25.0 | 0.80 0.70 - - |" in card

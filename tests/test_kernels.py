@@ -142,7 +142,14 @@ def test_bad_input_raises_before_launch(edit, error, message):
 
 @pytest.mark.parametrize(
     ("head", "vocab", "head_vocab"),
-    [("markov", False, "full"), ("rnn", False, "full"), ("markov", True, "full"), ("rnn", True, "draft")],
+    [
+        ("markov", False, "full"),
+        ("rnn", False, "full"),
+        ("gated", False, "full"),
+        ("markov", True, "full"),
+        ("rnn", True, "draft"),
+        ("gated", True, "draft"),
+    ],
 )
 def test_greedy_generation_through_kernels_equals_torch_path(head, vocab, head_vocab, monkeypatch):
     import hf_dspark.kernels
@@ -206,3 +213,41 @@ def test_auto_backend_keeps_the_kernel_for_few_rows(monkeypatch):
     assert use_kernels(draft, cpu, None, rows=AUTO_MAX_ROWS + 1)
     monkeypatch.setenv("HF_DSPARK_KERNELS", "torch")
     assert not use_kernels(draft, cuda, None, rows=1)
+
+
+def test_a_head_added_from_outside_runs_through_drafting_kernels_and_exports_by_name(monkeypatch, tmp_path):
+    """What a contributor writes for a new sequential head: one LowRankHead subclass in hf_dspark.heads.HEADS.
+    Drafting, the fused kernel (through the public interface) and the checkpoint formats take it as it is."""
+    from torch import nn
+
+    from hf_dspark.compat import export_speculators
+    from hf_dspark.heads import HEADS, LowRankHead
+
+    class TanhHead(LowRankHead):  # code = tanh(W1[x_{k-1}] + P h_k)
+        def __init__(self, vocab_size, hidden_size, rank, out_rows=None):
+            super().__init__()
+            self.markov_w1 = nn.Embedding(vocab_size, rank)
+            self.proj = nn.Linear(hidden_size, rank, bias=False)
+            self.markov_w2 = nn.Linear(rank, out_rows or vocab_size, bias=False)
+
+        def low_rank_code(self, prev, h, state=None):
+            e = self.markov_w1(prev)
+            return torch.tanh(e + self.proj(h)), e, state
+
+    monkeypatch.setitem(HEADS, "tanh", TanhHead)
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="tanh", head_rank=8)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 1.0)
+    ids = torch.tensor([[5, 9, 14, 3, 77]])
+    plain = target.generate(ids, max_new_tokens=16, do_sample=False).tolist()
+    monkeypatch.setenv("HF_DSPARK_KERNELS", "torch")
+    assert target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=draft).tolist() == plain
+    torch_confidences = draft.stats.confidences
+    monkeypatch.setenv("HF_DSPARK_KERNELS", "triton")
+    assert target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=draft).tolist() == plain
+    for a, b in zip(draft.stats.confidences, torch_confidences, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    with pytest.raises(ValueError, match="sequential head 'tanh' has no counterpart there"):
+        export_speculators(draft, tmp_path / "spec")

@@ -45,7 +45,7 @@ def test_a_draft_reading_the_last_layer_falls_back_to_hidden_states():
 def test_generate_asks_for_no_hidden_states_and_leaves_no_hooks(monkeypatch):
     target = tiny_target("llama", layers=6)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     hooks = [len(layer._forward_hooks) for layer in target.get_decoder().layers]
     asked = []
     forward = target.forward

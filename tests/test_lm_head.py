@@ -100,7 +100,7 @@ def test_greedy_through_the_transposed_head_matches_plain(transposed, monkeypatc
     monkeypatch.setattr(lm_head, "few_rows_linear", spy)
     target = tiny_target(dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     ids = torch.randint(3, 96, (rows, 7), generator=torch.Generator().manual_seed(rows))
     ref = target.generate(ids, max_new_tokens=20, do_sample=False)
     out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)

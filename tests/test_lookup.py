@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import CASES, PAD, PROMPTS, chi_square_pvalue, exact_distribution, left_pad, processors, sample_counts
 
-from hf_dspark import DSparkConfig, DSparkDraftModel, verify
+from hf_dspark import DecodingConfig, DSparkConfig, DSparkDraftModel, verify
 from hf_dspark.lookup import lookup_continuation, one_hot_probs
 from hf_dspark.scheduler import SPSProfile
 from hf_dspark.testing import tiny_target
@@ -67,7 +67,7 @@ def test_config_refuses_bad_lookup_fields(fields, message):
 def test_generate_refuses_bad_lookup_fields_set_on_a_loaded_draft():
     target = tiny_target()
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 5
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 2, 5
     with pytest.raises(ValueError, match="lookup_min_ngram"):
         target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, assistant_model=draft)
 
@@ -75,15 +75,15 @@ def test_generate_refuses_bad_lookup_fields_set_on_a_loaded_draft():
 def test_lookup_fields_survive_save_and_load(tmp_path):
     target = tiny_target()
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram, draft.config.lookup_max_tokens = 3, 1, 12
-    draft.config.lookup_adaptive = True
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram, draft.decoding.lookup_max_tokens = 3, 1, 12
+    draft.decoding.lookup_adaptive = True
     draft.save_pretrained(tmp_path)
-    loaded = DSparkConfig.from_pretrained(tmp_path)
+    loaded = DecodingConfig.from_pretrained(tmp_path)
     assert (loaded.lookup_max_ngram, loaded.lookup_min_ngram, loaded.lookup_max_tokens) == (3, 1, 12)
     assert loaded.lookup_adaptive is True
-    assert DSparkConfig().lookup_max_ngram == 0  # off unless asked for
-    assert DSparkConfig().lookup_max_tokens is None  # a continuation as long as a block unless asked for
-    assert DSparkConfig().lookup_adaptive is False  # a fixed width unless asked for
+    assert DecodingConfig().lookup_max_ngram == 0  # off unless asked for
+    assert DecodingConfig().lookup_max_tokens is None  # a continuation as long as a block unless asked for
+    assert DecodingConfig().lookup_adaptive is False  # a fixed width unless asked for
 
 
 # a prompt that repeats itself, so lookups match from the first round on
@@ -95,9 +95,9 @@ REPEATING = torch.tensor([[5, 17, 33, 2, 9, 41, 8, 5, 17, 33, 2, 9]])
 def test_greedy_with_lookup_equals_plain_greedy(mode, min_ngram):
     target = tiny_target(dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = mode
+    draft.decoding.verify_mode = mode
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
-    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 3, min_ngram
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 3, min_ngram
     for ids in (REPEATING, torch.tensor([[40, 3, 77, 12]])):
         ref = target.generate(ids, max_new_tokens=40, do_sample=False)
         out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=draft)
@@ -120,9 +120,9 @@ def test_lookup_continuations_longer_than_a_block_stay_exact_and_respect_verify_
     plain greedy's, and ``verify_limit`` caps both."""
     target = tiny_target(dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = mode
+    draft.decoding.verify_mode = mode
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
-    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram, draft.config.lookup_max_tokens = 3, 1, 10
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram, draft.decoding.lookup_max_tokens = 3, 1, 10
     ref = target.generate(REPEATING, max_new_tokens=40, do_sample=False)
     out = target.generate(REPEATING, max_new_tokens=40, do_sample=False, assistant_model=draft)
     assert out.tolist() == ref.tolist()
@@ -136,7 +136,7 @@ def test_lookup_continuations_longer_than_a_block_stay_exact_and_respect_verify_
     assert any(a > gamma for a, lk in zip(stats.accepted, stats.looked_up, strict=True) if lk)
     assert len(stats.position_acceptance()) == gamma
 
-    draft.config.verify_limit = 2
+    draft.decoding.verify_limit = 2
     out = target.generate(REPEATING, max_new_tokens=40, do_sample=False, assistant_model=draft)
     assert out.tolist() == ref.tolist()
     assert max(draft.stats.proposed) <= 2 and any(draft.stats.looked_up)
@@ -149,10 +149,10 @@ def test_adaptive_lookups_grow_while_accepted_in_full_and_stay_exact(mode):
     between change nothing. Output: plain greedy's."""
     target = tiny_target(dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = mode
+    draft.decoding.verify_mode = mode
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
-    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 3, 1
-    draft.config.lookup_max_tokens, draft.config.lookup_adaptive = 12, True
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 3, 1
+    draft.decoding.lookup_max_tokens, draft.decoding.lookup_adaptive = 12, True
     gamma, new_tokens = draft.config.num_draft_tokens, 60
     for ids in (REPEATING, torch.tensor([[40, 3, 77, 12]])):
         ref = target.generate(ids, max_new_tokens=new_tokens, do_sample=False)
@@ -179,12 +179,12 @@ def test_adaptive_lookup_width_rule():
     """The width rule on its own: a short continuation accepted whole earns twice its length but never less than
     γ, a long one at most ``lookup_max_tokens``, and one cut short goes back to γ (``None``)."""
     from hf_dspark.drafting import Proposal
-    from hf_dspark.generation import DecodeSettings, RoundPlan, Schedule
+    from hf_dspark.generation import RoundPlan, Schedule
 
     draft = DSparkDraftModel.from_target(tiny_target(), block_size=4, head_rank=8)
-    draft.config.lookup_max_tokens, draft.config.lookup_adaptive = 12, True
+    draft.decoding.lookup_max_tokens, draft.decoding.lookup_adaptive = 12, True
     gamma = draft.config.num_draft_tokens
-    schedule = Schedule(DecodeSettings.resolve(draft), gamma)
+    schedule = Schedule(draft.decoding.resolve(draft.confidence is not None), gamma)
 
     def verified(found: int, accepted: int) -> int | None:
         kept = torch.zeros(1, 13, dtype=torch.bool)
@@ -198,8 +198,8 @@ def test_adaptive_lookup_width_rule():
     assert verified(found=gamma, accepted=gamma) == min(2 * gamma, 12)
     assert verified(found=12, accepted=12) == 12
     assert verified(found=12, accepted=5) is None
-    draft.config.lookup_adaptive = False
-    schedule = Schedule(DecodeSettings.resolve(draft), gamma)
+    draft.decoding.lookup_adaptive = False
+    schedule = Schedule(draft.decoding.resolve(draft.confidence is not None), gamma)
     assert verified(found=gamma, accepted=gamma) is None  # the rule is off
 
 
@@ -208,8 +208,8 @@ def test_a_round_where_every_row_looks_up_does_not_draft(monkeypatch):
 
     target = tiny_target(dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = "fixed"
-    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
+    draft.decoding.verify_mode = "fixed"
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 2, 1
     drafted = []
     original = generation.draft_block
 
@@ -230,9 +230,9 @@ def test_batched_greedy_with_lookup_equals_per_row_plain_greedy_and_looks_up_onl
     """In a batch the verify block's width is shared, so rows look up only once they are the last row running."""
     target = tiny_target(dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = mode
+    draft.decoding.verify_mode = mode
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
-    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 2, 1
     prompts = [PROMPTS[1], PROMPTS[2], REPEATING[0].tolist()]
     free = [target.generate(torch.tensor([p]), max_new_tokens=30, do_sample=False)[0, len(p) :] for p in prompts]
     # an EOS the short prompts produce early and the repeating row never does: it then runs alone to the end
@@ -273,8 +273,8 @@ def test_sampling_with_lookup_matches_target_distribution(small_vocab_target):
     distribution, and looked-up tokens were both accepted and rejected (the one-hot q is exercised)."""
     target, kw = small_vocab_target, CASES["top-k-top-p"]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
-    draft.config.verify_mode = "fixed"
-    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
+    draft.decoding.verify_mode = "fixed"
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 2, 1
     probs = exact_distribution(target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw, seed=7)
     assert chi_square_pvalue(counts, probs) > 1e-3
@@ -298,15 +298,16 @@ def test_sampling_test_sees_a_lookup_accepted_without_the_ratio_test(small_vocab
     monkeypatch.setattr(verify, "rejection_sample", lenient)
     target, kw = small_vocab_target, CASES["top-k-top-p"]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
-    draft.config.verify_mode = "fixed"
-    draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = 2, 1
+    draft.decoding.verify_mode = "fixed"
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 2, 1
     probs = exact_distribution(target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw, n=600)
     assert chi_square_pvalue(counts, probs) < 1e-6
 
 
-def test_bench_methods_set_their_own_lookup_fields_on_the_shared_draft():
-    """Bench methods share one draft: a plain DSpark method run after a lookup one must not inherit lookup."""
+def test_bench_methods_pass_their_own_lookup_settings_to_the_shared_draft():
+    """Bench methods share one draft: a plain DSpark method run after a lookup one must not inherit lookup, and
+    none of them changes the draft's saved settings (each passes its own per call)."""
     from hf_dspark.evaluation.bench import standard_methods
 
     target = tiny_target(dtype=torch.float64)
@@ -319,7 +320,7 @@ def test_bench_methods_set_their_own_lookup_fields_on_the_shared_draft():
         out = methods[name].run(REPEATING, max_new_tokens=20, do_sample=False)
         assert out.tolist() == ref.tolist()
         assert any(draft.stats.looked_up) == name.endswith("+lookup")
-        assert (draft.config.lookup_max_ngram, draft.config.lookup_min_ngram) == ((3, 1) if "+" in name else (0, 1))
+        assert draft.decoding == DecodingConfig()
 
 
 def test_eval_measures_the_draft_alone_unless_asked_for_lookup(tmp_path):
@@ -330,14 +331,14 @@ def test_eval_measures_the_draft_alone_unless_asked_for_lookup(tmp_path):
 
     target = tiny_target("llama", vocab_size=96, eos_token_id=1)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.config.verify_mode = "fixed"
-    draft.config.lookup_max_ngram = 3  # as the shipped draft's config has it
+    draft.decoding.verify_mode = "fixed"
+    draft.decoding.lookup_max_ngram = 3  # as the shipped draft's config has it
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["abcabcabcabc", "hello hello hello"]))
     tok = char_tokenizer()
     alone = evaluate(target, tok, draft, str(prompts), max_new_tokens=24, progress=False)
     assert alone["lookup_max_ngram"] == 0 and not any(draft.stats.looked_up)
-    assert draft.config.lookup_max_ngram == 3  # restored
+    assert draft.decoding.lookup_max_ngram == 3  # restored
     mixed = evaluate(target, tok, draft, str(prompts), max_new_tokens=24, lookup=2, progress=False)
     assert mixed["lookup_max_ngram"] == 2 and any(draft.stats.looked_up)
-    assert draft.config.lookup_max_ngram == 3
+    assert draft.decoding.lookup_max_ngram == 3

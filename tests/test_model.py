@@ -56,7 +56,7 @@ def test_save_load_round_trip_is_exact(tmp_path, head):
     target = tiny_target("llama")
     draft = _perturbed_draft(target, head_type=head)
     draft.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "decoding_config.json", "model.safetensors"]
     loaded = DSparkDraftModel.from_pretrained(tmp_path)
     strip = lambda d: {k: v for k, v in d.items() if k != "_name_or_path"}  # noqa: E731
     assert strip(loaded.config.to_dict()) == strip(draft.config.to_dict())
@@ -184,7 +184,7 @@ def test_verify_mode_is_validated():
         DSparkConfig(verify_mode="greedy")
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8, confidence_head=False)
-    draft.config.verify_mode = "scheduled"
+    draft.decoding.verify_mode = "scheduled"
     with pytest.raises(ValueError, match="needs a confidence head"):
         target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=draft)
 

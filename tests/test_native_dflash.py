@@ -63,7 +63,7 @@ def native_dflash(target, drafter, prompt, monkeypatch) -> tuple[list[int], list
 
 
 def ours(target, draft, prompt) -> tuple[list[int], list[int]]:
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     out = target.generate(prompt, custom_generate=dspark_generate, draft=draft, max_new_tokens=NEW_TOKENS,
                           do_sample=False)  # fmt: skip
     return out[0].tolist(), list(draft.stats.accepted)

@@ -101,7 +101,6 @@ def test_a_recalibrated_plan_drafts_where_the_head_alone_backs_off():
 def test_the_loop_feeds_every_drafted_verify_to_the_recalibration(monkeypatch):
     """End to end: with recalibration, the schedule's recalibration saw exactly the drafted entries of the stats
     (lookups and plain rounds excluded), and the output is plain greedy with it on or off."""
-    from hf_dspark import generation
 
     seen = []
     original = AcceptanceRecalibration.observe
@@ -124,7 +123,7 @@ def test_the_loop_feeds_every_drafted_verify_to_the_recalibration(monkeypatch):
                    if p and not looked]  # fmt: skip
         assert seen == (drafted if on else [])
         assert drafted
-    assert generation.DecodeSettings.resolve(draft).confidence_recalibration is True  # the default
+    assert draft.decoding.resolve(draft.confidence is not None).confidence_recalibration is True  # the default
     with pytest.raises(ValueError, match="confidence_recalibration must be True or False, got 'yes'"):
         target.generate(ids, custom_generate=dspark_generate, draft=draft, confidence_recalibration="yes", **kw)
 
@@ -132,9 +131,9 @@ def test_the_loop_feeds_every_drafted_verify_to_the_recalibration(monkeypatch):
 def test_recalibration_is_saved_with_the_config(tmp_path):
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4)
-    assert draft.config.confidence_recalibration is True
-    draft.config.confidence_recalibration = False
+    assert draft.decoding.confidence_recalibration is True
+    draft.decoding.confidence_recalibration = False
     draft.save_pretrained(tmp_path)
-    assert DSparkDraftModel.from_pretrained(tmp_path).config.confidence_recalibration is False
+    assert DSparkDraftModel.from_pretrained(tmp_path).decoding.confidence_recalibration is False
     with pytest.raises(ValueError, match="confidence_recalibration must be True or False"):
         DSparkDraftModel.from_target(target, block_size=4, confidence_recalibration=1)

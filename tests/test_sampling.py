@@ -35,7 +35,7 @@ def test_sampling_matches_target_distribution(target, head, case):
     """Every head type with temperature 1.3 + top-k + top-p; the Markov head also with a temperature alone."""
     kw = CASES[case]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=4)
-    draft.config.verify_mode = "fixed"  # verify all γ: the most rejection sampling per sample
+    draft.decoding.verify_mode = "fixed"  # verify all γ: the most rejection sampling per sample
     torch.manual_seed(1)
     with torch.no_grad():  # make the head matter: random (not neutral) Markov weights
         if draft.sequential_head is not None:
@@ -57,7 +57,7 @@ def test_sampling_is_lossless_with_confidence_scheduled_verification(target, mod
     with torch.no_grad():
         draft.sequential_head.markov_w2.weight.normal_(0, 2.0)
         draft.confidence.confidence_head.weight.normal_(0, 1.0)
-    draft.config.verify_mode = mode
+    draft.decoding.verify_mode = mode
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.3 * B))
     probs = exact_distribution(target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw)
@@ -76,7 +76,7 @@ def test_broken_acceptance_rule_is_detected(target, monkeypatch):
     monkeypatch.setattr(hf_dspark.verify, "rejection_sample", accept_all)
     kw = CASES["temperature"]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     probs = exact_distribution(target, processors(kw["temperature"]))
     counts = sample_counts(target, draft, kw, n=600)
     assert chi_square_pvalue(counts, probs) < 1e-6
@@ -87,7 +87,7 @@ def test_sampling_is_lossless_with_a_draft_vocabulary(target, monkeypatch):
     target's distribution (which puts mass on all six tokens)."""
     kw = CASES["top-k-top-p"]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     torch.manual_seed(5)
     with torch.no_grad():
         draft.sequential_head.markov_w2.weight.normal_(0, 2.0)

@@ -363,7 +363,7 @@ def test_measure_sps_ahead_of_generate(monkeypatch):
     monkeypatch.setattr(scheduler.SPSProfile, "measure", fake)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     assert hf_dspark.measure_sps(draft, 1, 2) is draft and calls == [1, 2]
-    draft.config.verify_mode = "scheduled"
+    draft.decoding.verify_mode = "scheduled"
     target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), assistant_model=draft, max_new_tokens=6, do_sample=False)
     assert calls == [1, 2]
     # an entry left by another target that lived at the same address is not reused
@@ -430,7 +430,7 @@ def test_draft_seconds_is_measured_once_per_batch_size():
     # its first call measured the draft
     assert torch.equal(torch.random.get_rng_state(), state)
     draft.forward = real
-    draft.config.verify_mode = "scheduled"
+    draft.decoding.verify_mode = "scheduled"
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0)
     ids = torch.tensor([[5, 6, 7, 8]])
     outs = []
@@ -441,3 +441,25 @@ def test_draft_seconds_is_measured_once_per_batch_size():
         torch.manual_seed(0)
         outs += [first, target.generate(ids, assistant_model=draft, do_sample=True, max_new_tokens=12)]  # cached
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_tree_node_choice_is_a_function_of_numbers():
+    from hf_dspark.scheduler import choose_tree_nodes
+
+    values = [0.9, 0.8, 0.5, 0.2, 0.05]  # ranked: most valuable first, each node's parent before it
+    assert choose_tree_nodes("fixed", values, None, 0.5) == (5, True)
+    assert choose_tree_nodes("threshold", values, None, 0.5) == (3, True)
+    assert choose_tree_nodes("threshold", values, None, 0.95) == (0, True)
+    # a verify of B tokens costs 1 + 0.25 (B - 1) steps: τ·SPS rises while a node adds more than a quarter step
+    sps = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.25 * (B - 1)))
+    chosen, pays = choose_tree_nodes("scheduled", values, sps, 0.5)
+    taus = [1 + sum(values[:b]) for b in range(len(values) + 1)]
+    rates = [t * sps(1 + b) for b, t in enumerate(taus)]
+    assert chosen == 3 and rates[3] > rates[2] and rates[4] <= rates[3] and pays
+    assert choose_tree_nodes("async", values, sps, 0.5) == (chosen, pays)
+    # the early stop: a valuable node after a non-improving one is never admitted
+    assert choose_tree_nodes("scheduled", [0.9, 0.01, 0.99], sps, 0.5)[0] == 1
+    # drafting that costs ten plain steps: each verified node then costs relatively less (more are chosen), but the
+    # round's rate falls below a plain step's, so drafting did not pay (the caller backs off)
+    costly, pays = choose_tree_nodes("scheduled", values, sps, 0.5, draft_seconds=10.0)
+    assert costly > chosen and not pays

@@ -59,7 +59,7 @@ def test_shipped_draft_loads_offline_and_matches_greedy_on_five_prompts(monkeypa
     assert draft.config.head_type == "markov" and draft.dtype == target.dtype == torch.float32
     assert len(draft.config.sts_temperatures) == draft.config.block_size  # calibrated
     # verify every draft token (on this CPU the scheduler may rightly verify none), so drafts are really exercised
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     committed = rounds = 0
     for text in eval_prompts(1):  # one per eval set: 5 prompts
         ids = chat_ids(tokenizer, text)

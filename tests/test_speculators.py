@@ -59,9 +59,9 @@ def test_exported_draft_decodes_identically_after_loading_back(tmp_path, head):
             p.normal_(0, 0.3)
     draft.set_draft_vocab(list(range(3, 96, 2)))
     draft.config.sts_temperatures = [1.0, 1.5, 2.0, 2.5]
-    draft.config.verify_mode = "scheduled"
-    draft.config.lookup_max_ngram, draft.config.lookup_max_tokens, draft.config.lookup_adaptive = 3, 6, True
-    draft.config.confidence_recalibration = False  # not the default: the export must carry it
+    draft.decoding.verify_mode = "scheduled"
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_max_tokens, draft.decoding.lookup_adaptive = 3, 6, True
+    draft.decoding.confidence_recalibration = False  # not the default: the export must carry it
     export_speculators(draft, tmp_path / "spec", verifier="org/target")
     raw = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert (
@@ -70,11 +70,12 @@ def test_exported_draft_decodes_identically_after_loading_back(tmp_path, head):
     )
     assert raw["transformer_layer_config"]["model_type"] == "llama" and raw["draft_vocab_size"] == 47
     back = DSparkDraftModel.from_pretrained(tmp_path / "spec")
-    assert back.config.sts_temperatures == [1.0, 1.5, 2.0, 2.5] and back.config.verify_mode == "scheduled"
-    assert (back.config.lookup_max_ngram, back.config.lookup_max_tokens, back.config.lookup_adaptive) == (3, 6, True)
-    assert back.config.confidence_recalibration is False
+    assert back.config.sts_temperatures == [1.0, 1.5, 2.0, 2.5] and back.decoding.verify_mode == "scheduled"
+    lookup = back.decoding
+    assert (lookup.lookup_max_ngram, lookup.lookup_max_tokens, lookup.lookup_adaptive) == (3, 6, True)
+    assert back.decoding.confidence_recalibration is False
     assert torch.equal(back.draft_vocab, draft.draft_vocab) and back.dtype == torch.float64
-    draft.config.verify_mode = back.config.verify_mode = "fixed"  # a plan that needs no timing: runs comparable
+    draft.decoding.verify_mode = back.decoding.verify_mode = "fixed"  # a plan that needs no timing: runs comparable
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     runs = []
     for d in (draft, back):
@@ -190,7 +191,7 @@ def test_the_recipe_trains_drafts_that_export(smollm2, tmp_path):
     ids = tokenizer("def fib(n):", return_tensors="pt")["input_ids"]
     outs = []
     for d in (draft, back):
-        d.config.verify_mode = "fixed"
+        d.decoding.verify_mode = "fixed"
         out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=d)
         outs.append((out.tolist(), d.stats.proposed, d.stats.accepted))
     assert outs[0] == outs[1]
@@ -214,7 +215,7 @@ def test_the_shipped_draft_exports_and_decodes_identically_after_loading_back(sm
     ids = tokenizer("Write a Python function that reverses a string.", return_tensors="pt")["input_ids"]
     outs = []
     for d in (shipped, back):
-        d.config.verify_mode, d.config.lookup_max_ngram = "fixed", 0  # the draft alone, every block verified
+        d.decoding.verify_mode, d.decoding.lookup_max_ngram = "fixed", 0  # the draft alone, every block verified
         out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=d)
         outs.append((out.tolist(), d.stats.proposed, d.stats.accepted))
     assert outs[0] == outs[1] and sum(outs[0][2]) > 0

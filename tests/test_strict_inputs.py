@@ -104,7 +104,7 @@ def test_sliding_window_target_decodes_exactly_past_its_window(arch):
     with torch.no_grad():
         target.lm_head.weight.mul_(8)  # sharper logits: greedy not decided by float noise
     draft = _draft(target)
-    draft.config.verify_mode = "fixed"
+    draft.decoding.verify_mode = "fixed"
     g = torch.Generator().manual_seed(3)
     for length in (3, 11):
         ids = torch.randint(3, 96, (1, length), generator=g)

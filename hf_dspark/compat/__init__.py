@@ -1,19 +1,21 @@
-"""Checkpoint layouts of other DSpark implementations: import (through ``from_pretrained``) and export."""
+"""Checkpoint formats: our own and other implementations' layouts, each one registry entry (detect, load,
+export; :mod:`hf_dspark.compat.registry`) in its own module over :mod:`hf_dspark.compat.common`.
 
-from .deepspec import export_deepspec, is_deepspec_config, load_deepspec
-from .dflash import is_dflash_config, load_dflash
-from .muse_glimmer import is_muse_glimmer_config, load_muse_glimmer
-from .speculators import export_speculators, is_speculators_config, load_speculators
+The imports below register the formats, in the order ``from_pretrained`` asks them (narrower detectors first).
+"""
+
+from . import dspark, speculators, deepspec, dflash, muse_glimmer  # noqa: F401, I001  (order = detection order)
+from .deepspec import export_deepspec
+from .registry import FORMATS, CheckpointFormat, ExportNote, detect, exportable, register
+from .speculators import export_speculators
 
 __all__ = [
+    "FORMATS",
+    "CheckpointFormat",
+    "ExportNote",
+    "detect",
     "export_deepspec",
     "export_speculators",
-    "is_deepspec_config",
-    "is_dflash_config",
-    "is_muse_glimmer_config",
-    "is_speculators_config",
-    "load_deepspec",
-    "load_dflash",
-    "load_muse_glimmer",
-    "load_speculators",
+    "exportable",
+    "register",
 ]

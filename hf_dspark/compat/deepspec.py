@@ -14,12 +14,15 @@ slots use the embedding of ``mask_token_id``, the context reads ``hidden_states[
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..configuration_dspark import DSparkConfig
+from .common import TARGET_COPIES, load_mapped, qwen3_backbone, read_weights, rename_keys
+from .registry import CheckpointFormat, ExportNote, register
 
 ARCHITECTURE = "Qwen3DSparkModel"
 _HEADS_IN = {0: "none", "vanilla": "markov", "gated": "gated", "rnn": "rnn"}
@@ -29,37 +32,11 @@ _RENAMES = (
     ("sequential_head.joint_proj.", "sequential_head.rnn_cell."),  # the RNN head's joint gate/candidate/output map
     ("confidence_head.proj.", "confidence.confidence_head."),
 )
-TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the draft borrows the target's own at use time
 
 
 def is_deepspec_config(raw: dict) -> bool:
     return ARCHITECTURE in (raw.get("architectures") or []) or (
         raw.get("model_type") != "dspark" and "markov_rank" in raw and "target_layer_ids" in raw
-    )
-
-
-def qwen3_backbone(raw: dict) -> dict:
-    """DSparkConfig fields of a Qwen3-style draft decoder and its target's identity, from a foreign config.json.
-
-    Both DeepSpec and z-lab save the draft with the target's Qwen3 config (their drafts share its width and
-    vocabulary), so ``hidden_size``/``vocab_size`` also identify the target."""
-    rope = raw.get("rope_parameters") or {}
-    return dict(
-        num_draft_layers=int(raw["num_hidden_layers"]),
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-        head_dim=raw.get("head_dim"),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0)),
-        max_position_embeddings=raw.get("max_position_embeddings", 40960),
-        qk_norm=True,
-        attention_bias=raw.get("attention_bias", False),
-        target_model_type=raw.get("model_type", "qwen3"),
-        target_hidden_size=raw["hidden_size"],
-        target_vocab_size=raw["vocab_size"],
-        target_num_layers=raw.get("num_target_layers"),
     )
 
 
@@ -83,62 +60,7 @@ def config_from_deepspec(raw: dict) -> DSparkConfig:
     )
 
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        weights = {}
-        for f in files:
-            weights.update(load_file(folder / f))
-        return weights
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
-    return load_file(single)
-
-
-def check_mapping(model, mapped: dict, folder: Path, layout: str) -> None:
-    """``ValueError`` naming every tensor of ``mapped`` (a foreign checkpoint renamed to our keys) that is missing
-    from, unexpected in, or shaped differently from ``model``'s state dict."""
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(mapped))
-    unexpected = sorted(set(mapped) - set(expected))
-    shapes = [f"{k} {tuple(mapped[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-              if k in mapped and mapped[k].shape != v.shape]  # fmt: skip
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"{layout} checkpoint {folder} does not map onto a DSpark draft: missing {missing}, "
-            f"unexpected {unexpected}, mis-shaped {shapes}"
-        )
-
-
-def rename_keys(state: dict, renames) -> dict:
-    """``state`` with each key's prefix ``old`` replaced by ``new`` for the ``(old, new)`` pairs, in order (a later
-    pair sees what earlier ones made). Swap the pairs to go the other way."""
-    renamed = {}
-    for key, value in state.items():
-        for old, new in renames:
-            if key.startswith(old):
-                key = new + key[len(old) :]
-        renamed[key] = value
-    return renamed
-
-
-def load_mapped(model_class, folder: Path, config: DSparkConfig, mapped: dict, layout: str, dtype=None):
-    """Build a ``model_class`` draft (the draft class, handed in by the caller) from ``mapped``, a foreign checkpoint
-    already renamed to our keys, strictly (:func:`check_mapping`). Without ``dtype`` it is built in the checkpoint's
-    own precision, so loading rounds nothing."""
-    if dtype is None:
-        dtype = next((v.dtype for k, v in mapped.items() if v.is_floating_point() and "norm" not in k), None)
-    model = model_class(config)
-    model = model.to(dtype) if dtype is not None else model
-    check_mapping(model, mapped, folder, layout)
-    model.load_state_dict(mapped)
-    model.config.name_or_path = str(folder)
-    return model
-
-
-def load_deepspec(model_class, folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
+def load_deepspec(model_class, folder: str | Path, raw: dict, dtype: torch.dtype | None = None, target_vocab_size=None):
     """Build a ``model_class`` draft from a DeepSpec DSpark checkpoint folder (strict: every tensor must map, shapes
     must match)."""
     folder = Path(folder)
@@ -182,11 +104,14 @@ def export_deepspec(draft, folder: str | Path, num_anchors: int = 512, whole_voc
     if draft.sequential_head is not None:  # a head storing draft-vocabulary rows writes them over the whole vocabulary
         state["sequential_head.markov_w2.weight"] = draft._full_head_weight()
     weights = {k: v.detach().contiguous().cpu() for k, v in rename_keys(state, ours_to_theirs).items()}
-    weights["embed_tokens.weight"] = draft._target.embed_tokens.weight.detach().cpu().contiguous()
+    weights["embed_tokens.weight"] = draft.borrowed.embed_tokens.weight.detach().cpu().contiguous()
     # a copy: targets that tie their LM head to the embedding (SmolLM2) would otherwise hand safetensors one tensor
     # under two names, which it refuses to write
-    weights["lm_head.weight"] = draft._target.lm_head.weight.detach().cpu().contiguous().clone()
-    kind = {"none": None, "markov": "vanilla", "gated": "gated", "rnn": "rnn"}[c.head_type]
+    weights["lm_head.weight"] = draft.borrowed.lm_head.weight.detach().cpu().contiguous().clone()
+    heads_out = {"none": None, "markov": "vanilla", "gated": "gated", "rnn": "rnn"}
+    if c.head_type not in heads_out:
+        raise ValueError(f"DeepSpec's layout has no sequential head {c.head_type!r} (it has {sorted(heads_out)})")
+    kind = heads_out[c.head_type]
     raw = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -220,3 +145,23 @@ def export_deepspec(draft, folder: str | Path, num_anchors: int = 512, whole_voc
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
     return folder
+
+
+def export_whole_vocab(draft, folder: str | Path, verifier: str | None = None) -> Path:
+    """The registry's exporter: :func:`export_deepspec` with a draft vocabulary widened to the whole one (said in
+    an :class:`ExportNote`, not refused); ``verifier`` is not recorded (the layout has no field for it)."""
+    if draft.config.draft_vocab_size is not None:
+        warnings.warn(
+            "DeepSpec's layout has no draft vocabulary, so the export proposes over the whole vocabulary "
+            f"(this draft proposes {draft.config.draft_vocab_size} tokens; the output stays the target's, "
+            "acceptance may differ slightly). --format speculators keeps the draft vocabulary.",
+            ExportNote,
+            stacklevel=2,
+        )
+    return export_deepspec(draft, folder, whole_vocab=True)
+
+
+FORMAT = register(
+    CheckpointFormat("deepspec", "DeepSpec's Qwen3DSparkModel layout (sglang's too)", is_deepspec_config,
+                     load_deepspec, export_whole_vocab)
+)  # fmt: skip

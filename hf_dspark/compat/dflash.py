@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from ..configuration_dspark import DSparkConfig
-from .deepspec import TARGET_COPIES, load_mapped, qwen3_backbone, read_weights
+from .common import TARGET_COPIES, load_mapped, qwen3_backbone, read_weights
+from .registry import CheckpointFormat, register
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -49,9 +50,12 @@ def config_from_dflash(raw: dict) -> DSparkConfig:
     )
 
 
-def load_dflash(model_class, folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
+def load_dflash(model_class, folder: str | Path, raw: dict, dtype: torch.dtype | None = None, target_vocab_size=None):
     """Build a ``model_class`` draft from a z-lab DFlash checkpoint folder (strict mapping: names are already ours)."""
     folder = Path(folder)
     config = config_from_dflash(raw)
     mapped = {k: v for k, v in read_weights(folder).items() if k not in TARGET_COPIES}  # names are already ours
     return load_mapped(model_class, folder, config, mapped, "DFlash", dtype)
+
+
+FORMAT = register(CheckpointFormat("dflash", "z-lab's DFlashDraftModel layout", is_dflash_config, load_dflash))

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from ..configuration_dspark import DSparkConfig
-from .deepspec import load_mapped, read_weights, rename_keys
+from .common import load_mapped, read_weights, rename_keys
+from .registry import CheckpointFormat, register
 
 MODEL_TYPE = "muse_glimmer_assistant"
 ARCHITECTURE = "MuseGlimmerAssistantModel"
@@ -81,3 +82,9 @@ def load_muse_glimmer(model_class, folder: str | Path, raw: dict, dtype: torch.d
     config = config_from_muse_glimmer(raw, target_vocab_size)
     theirs = {k.removeprefix("model."): v for k, v in read_weights(folder).items()}
     return load_mapped(model_class, folder, config, rename_keys(theirs, _RENAMES), ARCHITECTURE, dtype)
+
+
+FORMAT = register(
+    CheckpointFormat("muse_glimmer", "transformers' MuseGlimmerAssistantModel", is_muse_glimmer_config,
+                     load_muse_glimmer)
+)  # fmt: skip

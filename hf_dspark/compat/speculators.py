@@ -27,7 +27,9 @@ from safetensors.torch import save_file
 
 from ..checkpoint_files import looks_like_path
 from ..configuration_dspark import DSparkConfig
-from .deepspec import TARGET_COPIES, load_mapped, read_weights, rename_keys
+from ..decoding_config import DecodingConfig
+from .common import TARGET_COPIES, load_mapped, read_weights, rename_keys
+from .registry import CheckpointFormat, register
 
 # their names -> ours (swapped for export); the RNN cell's pair first, before "markov_head." takes the rest
 _RENAMES = (
@@ -87,14 +89,19 @@ def config_from_speculators(raw: dict) -> DSparkConfig:
     )
 
 
-def load_speculators(model_class, folder: str | Path, raw: dict, dtype: torch.dtype | None = None):
+def load_speculators(model_class, folder: str | Path, raw: dict, dtype: torch.dtype | None = None,
+                     target_vocab_size=None):  # fmt: skip
     """Build a ``model_class`` draft from a ``speculators`` checkpoint folder; strict: every tensor must map."""
     folder = Path(folder)
     config = config_from_speculators(raw)
     extras = folder / EXTRAS
+    decoding = {}
     if extras.is_file():
         for key, value in json.loads(extras.read_text()).items():
-            setattr(config, key, value)
+            if key in DecodingConfig.field_names():
+                decoding[key] = value
+            else:
+                setattr(config, key, value)
     theirs = read_weights(folder)
     skip = (*TARGET_COPIES, "verifier_lm_head.weight", "verifier_norm.weight", "t2d", "d2t")  # lm_head: reduced
     mapped = rename_keys({k: v for k, v in theirs.items() if k not in skip}, _RENAMES)
@@ -109,7 +116,9 @@ def load_speculators(model_class, folder: str | Path, raw: dict, dtype: torch.dt
         if "sequential_head.markov_w2.weight" in mapped:  # theirs holds the draft vocabulary's rows only: so do we
             mapped["sequential_head.markov_w2.weight"] = mapped["sequential_head.markov_w2.weight"][order]
             config.head_vocab = "draft"
-    return load_mapped(model_class, folder, config, mapped, "speculators", dtype)
+    draft = load_mapped(model_class, folder, config, mapped, "speculators", dtype)
+    draft.decoding = DecodingConfig.from_dict(decoding, str(extras))
+    return draft
 
 
 def export_speculators(draft, folder: str | Path, verifier: str | None = None) -> Path:
@@ -133,6 +142,8 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
         problems.append(f"the draft must be as wide as its target ({c.hidden_size} vs {c.target_hidden_size})")
     if any(c.sliding_layers):
         problems.append("its sliding_attention layers have no counterpart there that this package has checked")
+    if c.head_type != "none" and c.head_type not in _HEADS_OUT:
+        problems.append(f"its sequential head {c.head_type!r} has no counterpart there ({sorted(_HEADS_OUT)} do)")
     if problems:
         raise ValueError("cannot export this draft in the speculators layout: " + "; ".join(problems))
     vocab = draft.draft_vocab
@@ -151,7 +162,7 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
         t2d = torch.zeros(vocab_size, dtype=torch.bool)
         t2d[ids] = True
         weights["t2d"] = t2d
-        weights["lm_head.weight"] = draft._target.lm_head.weight.detach()[ids.to(draft.device)].cpu().contiguous()
+        weights["lm_head.weight"] = draft.borrowed.lm_head.weight.detach()[ids.to(draft.device)].cpu().contiguous()
     kind = "dflash" if c.head_type == "none" and not c.confidence_head else "dspark"
     name = verifier or (getattr(draft.target.config, "name_or_path", None) if draft.is_attached else None) or None
     if name is None or Path(name).expanduser().exists() or looks_like_path(name):
@@ -213,11 +224,9 @@ def export_speculators(draft, folder: str | Path, verifier: str | None = None) -
         )
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    extras = {"sts_temperatures": c.sts_temperatures, "verify_mode": c.verify_mode,
-              "lookup_max_ngram": c.lookup_max_ngram, "lookup_min_ngram": c.lookup_min_ngram,
-              "lookup_max_tokens": c.lookup_max_tokens, "lookup_adaptive": c.lookup_adaptive,
-              "confidence_recalibration": c.confidence_recalibration, "tree_top_k": c.tree_top_k,
-              "target_num_layers": c.target_num_layers}  # fmt: skip
+    # what the speculators config cannot say: the draft's calibration, its target's depth and every decoding setting
+    extras = {"sts_temperatures": c.sts_temperatures, "target_num_layers": c.target_num_layers,
+              **draft.decoding.to_dict()}  # fmt: skip
     (folder / EXTRAS).write_text(json.dumps(extras, indent=2) + "\n")
     return folder
 
@@ -226,3 +235,9 @@ def _architectures(draft) -> list[str]:
     if draft.is_attached:
         return list(getattr(draft.target.config, "architectures", None) or [type(draft.target).__name__])
     return []
+
+
+FORMAT = register(
+    CheckpointFormat("speculators", "a speculators DSpark/DFlash draft (what vLLM serves)", is_speculators_config,
+                     load_speculators, export_speculators)
+)  # fmt: skip

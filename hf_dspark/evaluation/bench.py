@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..costs import measure_sps
+from ..decoding_config import resolve_mode
+from ..integration import dspark_generate
 from .evaluate import load_prompts, run_context
 from .ties import first_divergence, upcast_copy
 
@@ -54,11 +56,12 @@ def standard_methods(
     ]
 
     def dspark(draft, mode, limit, max_ngram=0):
+        # the methods share one draft: each call passes every setting it depends on (a chain; None limit: γ)
+        settings = {"verify_mode": mode, "verify_limit": limit or draft.config.num_draft_tokens, "tree_top_k": 1,
+                    "lookup_max_ngram": max_ngram, "lookup_min_ngram": lookup_min}  # fmt: skip
+
         def run(ids, **kw):
-            # the methods share one draft object: every run sets every field it depends on
-            draft.config.verify_mode, draft.config.verify_limit = mode, limit
-            draft.config.lookup_max_ngram, draft.config.lookup_min_ngram = max_ngram, lookup_min
-            return target.generate(ids, assistant_model=draft, **kw)
+            return target.generate(ids, custom_generate=dspark_generate, draft=draft, **settings, **kw)
 
         return run
 
@@ -69,7 +72,7 @@ def standard_methods(
         if draft.confidence is not None:
             methods.append(Method(f"{label}-scheduled", dspark(draft, "scheduled", None), draft))
         if lookup:
-            mode = "scheduled" if draft.confidence is not None else "fixed"
+            mode = resolve_mode("auto", draft.confidence is not None)
             methods.append(Method(f"{label}-{mode}+lookup", dspark(draft, mode, None, lookup), draft))
     return methods
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..integration import dspark_generate
 from ..stats import DSparkStats
 
 DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
@@ -92,23 +93,22 @@ def evaluate(
     label: str = "dspark",
     lookup: int = 0,
     progress: bool = True,
+    verify_mode: str | None = None,
 ) -> dict:
     """Run DSpark generation over ``dataset`` and return :func:`summarize` plus the settings (``label`` names the
     draft in tables and plots). ``lookup``: the ``lookup_max_ngram`` to decode with; 0 (the default) measures the
-    draft alone, whatever its config says (restored afterwards)."""
+    draft alone, whatever its saved settings say. ``verify_mode``: this run's (``None``: the draft's own). Both are
+    per-call settings: ``draft.decoding`` is never changed."""
     prompts = load_prompts(dataset, limit)
-    saved_lookup, draft.config.lookup_max_ngram = draft.config.lookup_max_ngram, lookup
-    try:  # generate checks the lookup fields
-        result = _evaluate(target, tokenizer, draft, prompts, dataset, max_new_tokens, temperature, progress)
-    finally:
-        draft.config.lookup_max_ngram = saved_lookup
+    settings = {"lookup_max_ngram": lookup, "verify_mode": verify_mode}
+    result = _evaluate(target, tokenizer, draft, prompts, dataset, max_new_tokens, temperature, progress, settings)
     result.update(draft=label, dataset=dataset, max_new_tokens=max_new_tokens, temperature=temperature,
-                  verify_mode=draft.config.verify_mode, block_size=draft.config.block_size, lookup_max_ngram=lookup,
-                  **run_context(target))  # fmt: skip
+                  verify_mode=verify_mode or draft.decoding.verify_mode, block_size=draft.config.block_size,
+                  lookup_max_ngram=lookup, **run_context(target))  # fmt: skip
     return result
 
 
-def _evaluate(target, tokenizer, draft, prompts, dataset, max_new_tokens, temperature, progress) -> dict:
+def _evaluate(target, tokenizer, draft, prompts, dataset, max_new_tokens, temperature, progress, settings) -> dict:
     """The generation loop of :func:`evaluate`: -> :func:`summarize` over the prompts."""
     from tqdm.auto import tqdm
 
@@ -121,7 +121,7 @@ def _evaluate(target, tokenizer, draft, prompts, dataset, max_new_tokens, temper
         if temperature > 0:
             kw["temperature"] = temperature
         t0 = time.perf_counter()
-        out = target.generate(ids, assistant_model=draft, **kw)
+        out = target.generate(ids, custom_generate=dspark_generate, draft=draft, **settings, **kw)
         seconds += time.perf_counter() - t0
         tokens += out.shape[1] - ids.shape[1]
         all_stats.append(draft.stats)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..calibration import OBJECTIVES, calibration_report, reliability_plot, sequential_temperature_scaling
+from ..integration import dspark_generate
 from ..modeling_dspark import DSparkDraftModel
 from .data import left_pad
 from .features import target_outputs
@@ -70,9 +71,10 @@ def collect_decode_confidence(
     if not prompts:
         raise ValueError("no prompts to decode")
     gamma = draft.config.num_draft_tokens
-    # the draft's own blocks, every one verified whole: no scheduling, no lookup drafting, raw confidences
-    saved = draft.config.verify_mode, draft.config.sts_temperatures, draft.config.lookup_max_ngram
-    draft.config.verify_mode, draft.config.sts_temperatures, draft.config.lookup_max_ngram = "fixed", None, 0
+    # the draft's own blocks, every one verified whole (no scheduling, no lookup drafting, a chain: this call's
+    # settings), and its raw confidences (the temperatures being fitted are set aside meanwhile)
+    chain = {"verify_mode": "fixed", "verify_limit": gamma, "lookup_max_ngram": 0, "tree_top_k": 1}
+    saved, draft.config.sts_temperatures = draft.config.sts_temperatures, None
     pad = target.generation_config.pad_token_id
     pad = pad if pad is not None else 0
     device = next(target.parameters()).device
@@ -82,8 +84,8 @@ def collect_decode_confidence(
             batch = prompts[i : i + batch_size]
             ids, mask = left_pad(batch, pad)
             target.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), assistant_model=draft,
-                max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                input_ids=ids.to(device), attention_mask=mask.to(device), custom_generate=dspark_generate,
+                draft=draft, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **chain,
             )  # fmt: skip
             stats = draft.stats
             for ell, n, conf in zip(stats.proposed, stats.accepted, stats.confidences, strict=True):
@@ -94,7 +96,7 @@ def collect_decode_confidence(
             if blocks is not None and len(logits) >= blocks:
                 break
     finally:
-        draft.config.verify_mode, draft.config.sts_temperatures, draft.config.lookup_max_ngram = saved
+        draft.config.sts_temperatures = saved
     if not logits:
         raise ValueError(f"no full block of {gamma} was verified: use longer generations (max_new_tokens)")
     return torch.stack(logits)[:blocks], torch.stack(accepted)[:blocks]

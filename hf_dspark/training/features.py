@@ -11,7 +11,6 @@ written to a temporary name and renamed (a crash never leaves half a file).
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 from pathlib import Path
@@ -19,15 +18,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..drafting import layer_outputs
+from ..versions import takes_logits_to_keep
+
 
 def target_outputs(target, layer_ids: list[int], input_ids: torch.Tensor, valid: torch.Tensor):
     """Frozen target forward -> (features [R, L, m·d_t], final hidden [R, L, d_t]) for padded rows."""
     # the [R, L, V] logits would be thrown away (statistics come from the final hidden state): a quarter of a
     # SmolLM2 forward's time, skipped where the model takes transformers' logits_to_keep
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+    keep = {"logits_to_keep": 1} if takes_logits_to_keep(type(target)) else {}
     with torch.no_grad():
         out = target(input_ids=input_ids, attention_mask=valid.long(), output_hidden_states=True, **keep)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    feats = torch.cat(layer_outputs(out.hidden_states, layer_ids), dim=-1)
     return feats, out.hidden_states[-1]
 
 
