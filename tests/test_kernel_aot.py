@@ -12,7 +12,8 @@ from kernel_resources import GOALS, VOCABS, compile_all, variants  # noqa: E402
 
 def test_every_variant_compiles_for_sm80_and_sm90_within_the_goals():
     records = compile_all([80, 90], jobs=2)
-    assert len(records) == 2 * len(variants()) * len(VOCABS) == 240
+    compiles = {(r["arch"], r["variant"]) for r in records}  # one binary per variant serves every vocabulary
+    assert len(compiles) == 2 * len(variants()) == 48 and len(records) == len(compiles) * len(VOCABS)
     assert {r["arch"] for r in records} == {"sm_80", "sm_90"}
     over = [
         f"{r['arch']} {r['variant']}: {r['registers']} registers, {r['stack_bytes']} B stack"
