@@ -42,7 +42,7 @@ class DSparkConfig(PretrainedConfig):
         head_vocab: the rows the sequential head's output matrix W2 stores: ``full`` (one per target token) or
             ``draft`` (one per draft-vocabulary token, in ``draft_vocab`` order; set with
             ``DSparkDraftModel.set_head_vocab``). Same proposals; ``draft`` drops (V - draft_vocab_size) × r
-            parameters that a draft vocabulary never reads (2.6M, 5.2 MB in bfloat16, on SmolLM2 at r = 64).
+            parameters that a draft vocabulary never reads.
     Target identity (a draft refuses any other target):
         target_model_type, target_hidden_size, target_vocab_size, target_num_layers.
     Decoding settings (verify mode, lookup drafting, trees) are not part of this config: they live in

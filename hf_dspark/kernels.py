@@ -16,10 +16,8 @@ from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 from .heads import LowRankHead
 
 BACKENDS = ("auto", "triton", "torch")
-# The fused step reads W2 once per row, the PyTorch path once per step. On an H200 (2026-12-04, bf16, r = 256;
-# benchmarks/results/gpu_check) the kernel took 0.15 / 0.59 ms at R = 1 / 32 and V = 151,936 against the
-# reference's 0.44 / 0.46 ms, and 0.11 / 0.27 / 0.71 ms at R = 1 / 32 / 128 and V = 49,152 against 0.42 / 0.39 /
-# 0.44 ms: it wins up to R ≈ 22 (V = 151,936) and ≈ 58 (V = 49,152), so auto keeps it for 16 rows or fewer.
+# The fused step reads W2 once per row, the PyTorch path once per step, so the kernel wins for few rows only: on an
+# H200 up to R ≈ 22 at V = 151,936 (docs/design.md, "Triton kernels"; benchmarks/results/gpu_check), hence 16.
 AUTO_MAX_ROWS = 16
 
 

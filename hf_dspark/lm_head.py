@@ -1,10 +1,10 @@
 """The target's LM head over a verify block, in whichever of two matmul orientations is faster on this engine.
 
 A verify asks for logits at a few positions: ``F.linear(h, W)`` with h [M, d], M = 2..γ+1, against the head's
-[V, d] weight (V = 49,152 for SmolLM2). Some CPU BLAS builds take a slow small-M GEMM path for that shape: on a
-2-core AMD EPYC in float32, 2 rows cost 2.2x one row and 3 rows 3.2x, while ``W @ hᵀ`` (the same dot products)
-costs about one row's time up to 5 rows, and whole verify steps ran 8-25% faster with it. Other engines may not
-care, so the choice is measured once per (dtype, shape, threads) on the CPU, never assumed; GPUs keep ``F.linear``.
+[V, d] weight. Some CPU BLAS builds take a slow small-M GEMM path for that shape, where ``W @ hᵀ`` (the same dot
+products) is much faster (figures in docs/design.md, "The verify's LM head is timed both ways"). Other engines may
+not care, so the choice is measured once per (dtype, shape, threads) on the CPU, never assumed; GPUs keep
+``F.linear``.
 """
 
 from __future__ import annotations

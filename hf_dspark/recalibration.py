@@ -2,10 +2,9 @@
 
 STS fits the head's temperatures once, on a calibration set: it makes the head right on average over many prompts,
 not on the prompt at hand. A prompt can be far easier (code with a fixed shape) or harder than that average, and a
-head without much resolution (the shipped SmolLM2 draft's STS ran to its largest temperature, so every c_k sits
-near ½) then prices every block the same way. On a float32 CPU, where a verify of 2..9 tokens costs 1.4 plain
-steps, that made the scheduler back off from drafting on a Fibonacci prompt whose blocks were accepted 3.3 tokens
-deep at γ = 8 (0.89× plain; see docs/design.md, "Recalibration").
+head without much resolution (every c_k near ½) then prices every block the same way, which can make the scheduler
+back off from drafting on a prompt whose blocks are accepted deep (the case and its figures: docs/design.md,
+"Recalibration").
 
 :class:`AcceptanceRecalibration` keeps, for the running call, how often each block position k was accepted when it
 was reached (exponentially decayed, so a long answer that turns from code to prose follows the turn), and turns it
