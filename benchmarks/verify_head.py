@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from hf_dspark import DSparkDraftModel, lm_head
-from hf_dspark.costs import measure_sps
+from hf_dspark.costs import measure_sps, time_verify_steps
 from hf_dspark.embedded import DRAFT_DIR, fast_dtype, load_target
 from hf_dspark.evaluation.bench import Method, bench, markdown_table
-from hf_dspark.scheduler import time_verify_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 

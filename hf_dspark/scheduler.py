@@ -11,29 +11,13 @@ survival.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-import os
-import statistics
-import time
-import weakref
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from .decoding_config import PRICED_MODES, VERIFY_LAYOUTS
-from .lm_head import head_orientation, verify_head
 from .recalibration import AcceptanceRecalibration
-
-CACHE_DIR = Path(os.environ.get("HF_DSPARK_CACHE", "~/.cache/hf_dspark")).expanduser() / "sps"
-# A cached profile records how long a one-token step on a short cache took when it was measured (the probe). If the
-# same probe now takes more than STALE_RATIO times longer or shorter, the machine is not in the state the profile
-# describes (it was measured under another job's load, or the hardware changed): the profile is measured again.
-PROBE_CONTEXT = 32
-STALE_RATIO = 1.3
-_probes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(device, dtype): probe seconds}
 
 
 class SPSProfile:
@@ -97,128 +81,6 @@ class SPSProfile:
         if not seconds >= 0 or seconds == float("inf"):
             raise ValueError(f"extra seconds per step must be finite and >= 0, got {seconds}")
         return self if seconds == 0 else SPSProfile.from_callable(lambda B: 1.0 / (1.0 / self(B) + seconds))
-
-    # ----- measuring on the actual engine -----------------------------------------------------------------
-
-    @staticmethod
-    def cache_key(
-        target, device: torch.device, dtype: torch.dtype, grid: list[int], context: int, rows: int = 1
-    ) -> tuple[str, dict]:
-        import transformers
-
-        ident = {
-            "target": getattr(target.config, "_name_or_path", "") or target.config.model_type,
-            "config": hashlib.sha1(target.config.to_json_string().encode()).hexdigest()[:12],
-            "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
-            "dtype": str(dtype),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "grid": grid,
-            "context": context,
-            "rows": rows,
-            "call": "loop-v2",  # what is timed: the loop's call (positions, hidden states, masked batches)
-            "lm_head": head_orientation(target),  # how the loop computes the head's logits here (lm_head.py)
-        }
-        return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20], ident
-
-    @classmethod
-    def measure(
-        cls,
-        target,
-        grid: list[int] | None = None,
-        context: int = 256,
-        reps: int = 5,
-        cache_dir: str | Path | None = CACHE_DIR,
-        rows: int = 1,
-    ) -> SPSProfile:
-        """Time the target verifying B tokens after a ``context``-token cache, for B in ``grid`` (median of
-        ``reps``), on its own device and dtype. Cached as JSON per (target, device, dtype, versions, grid);
-        a corrupt or mismatched cache file is rebuilt, and so is a stale one: each file keeps the probe
-        (:func:`probe_seconds`) timed with it, and a file whose probe differs from today's by more than
-        ``STALE_RATIO`` either way is measured again. The measured table is made non-increasing (running min),
-        since timing noise must not make the scheduler believe a longer step is faster. ``rows`` > 1 times the
-        [rows, B / rows] blocks of a padded batched verify (B in ``grid`` must be multiples of ``rows``)."""
-
-        grid = sorted(set(grid or [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17]))
-        key, ident = cls.cache_key(target, target.device, target.dtype, grid, context, rows)
-        path = Path(cache_dir) / f"{key}.json" if cache_dir is not None else None
-        if path is not None and path.is_file():
-            try:
-                saved = json.loads(path.read_text())
-                ratio = float(saved["probe"]) / probe_seconds(target)
-                if saved["ident"] == ident and 1 / STALE_RATIO <= ratio <= STALE_RATIO:
-                    return cls.from_table({int(b): s for b, s in saved["table"].items()})
-            except (ValueError, KeyError, TypeError, ZeroDivisionError):
-                pass  # corrupt or from an older version: measure again and overwrite
-        probe = probe_seconds(target, fresh=True) if path is not None else None  # the state the table is timed in
-        table = {B: 1.0 / seconds for B, seconds in time_verify_steps(target, grid, context, reps, rows).items()}
-        running = float("inf")
-        for B in grid:
-            running = min(running, table[B])
-            table[B] = running
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes measuring at once: own temp files
-            tmp.write_text(json.dumps({"ident": ident, "probe": probe, "table": table}))
-            tmp.replace(path)
-        return cls.from_table(table)
-
-
-def probe_seconds(target, fresh: bool = False) -> float:
-    """Seconds of one one-token target step after a ``PROBE_CONTEXT``-token cache (median of 3): a cheap reading
-    of how fast the engine runs, taken once per process per (target, device, dtype) unless ``fresh``."""
-    key = (str(target.device), target.dtype)
-    seen = _probes.setdefault(target, {})
-    if fresh or key not in seen:
-        seen[key] = time_verify_steps(target, [1], context=PROBE_CONTEXT, reps=3)[1]
-    return seen[key]
-
-
-@torch.no_grad()
-def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5, rows: int = 1) -> dict[int, float]:
-    """Median seconds of one target forward over B new tokens after a ``context``-token cache, for B in ``grid``
-    (random token ids; ``reps + 1`` passes over the whole grid, so drift hits every B alike, the first a warm-up).
-    The call is the one the decoding loop makes (explicit positions, no hidden states returned). With ``rows`` > 1
-    the B tokens are a [rows, B / rows] block on a batch of ``rows`` caches, the shape a padded batched verify
-    has (every B must then be a multiple of ``rows``), under a 2-D attention mask with a padding hole as a
-    left-padded batch carries (on CPU a masked step takes another attention path and costs differently).
-    Raw times: not made monotone."""
-    from transformers import DynamicCache
-
-    from .versions import cache_argument
-
-    grid = sorted(set(grid))
-    if rows < 1 or any(B % rows for B in grid):
-        raise ValueError(f"every B in the grid must be a positive multiple of rows = {rows}, got {grid}")
-    vocab = target.config.get_text_config().vocab_size
-    width = max(grid) // rows
-    device = target.device
-    ids = torch.randint(0, vocab, (rows, context + width), generator=torch.Generator().manual_seed(0)).to(device)
-    mask = torch.ones(rows, context + width, dtype=torch.long, device=device)
-    if rows > 1:
-        mask[0, 0] = 0
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-
-    def forward(start: int, stop: int):
-        attention = mask[:, :stop] if rows > 1 else None
-        with verify_head(target):
-            target(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], attention_mask=attention,
-                   use_cache=True, **{cache_argument(type(target)): cache})  # fmt: skip
-
-    cache = DynamicCache()
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    forward(0, context)
-    times: dict[int, list[float]] = {B: [] for B in grid}
-    for _ in range(reps + 1):
-        for B in grid:
-            W = B // rows
-            sync()
-            t0 = time.perf_counter()
-            forward(context, context + W)
-            sync()
-            times[B].append(time.perf_counter() - t0)
-            cache.crop(-W)
-    return {B: statistics.median(t[1:]) for B, t in times.items()}
 
 
 def _check_confidences(confidences: torch.Tensor) -> torch.Tensor:

@@ -82,14 +82,15 @@ def test_finished_rows_leave_the_batch(mode, monkeypatch):
     """A row that finishes is dropped from the target's and the draft's caches: later rounds draft and verify only
     the rows still running, every row still equals its own plain greedy output, and (scheduled, no user profile)
     the SPS profile follows the shrinking batch in power-of-two sizes."""
-    from hf_dspark import scheduler
+    from hf_dspark import costs
+    from hf_dspark.scheduler import SPSProfile
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.decoding.verify_mode = mode
     measured, draft_rows, verify_rows = [], [], []
-    fake = classmethod(lambda cls, t, grid, rows: measured.append(rows) or cls.from_callable(lambda B: 1 / B**0.1))
-    monkeypatch.setattr(scheduler.SPSProfile, "measure", fake)
+    fake = lambda t, grid, rows: measured.append(rows) or SPSProfile.from_callable(lambda B: 1 / B**0.1)  # noqa: E731
+    monkeypatch.setattr(costs, "measure_profile", fake)
     real_draft, real_target = draft.forward, target.forward
     monkeypatch.setattr(draft, "forward", lambda e, p, *a, **k: draft_rows.append(len(p)) or real_draft(e, p, *a, **k))
     monkeypatch.setattr(target, "forward", lambda **k: verify_rows.append(len(k["input_ids"])) or real_target(**k))

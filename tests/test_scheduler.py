@@ -245,16 +245,15 @@ def test_table_interpolation_and_extrapolation():
 
 
 def test_measure_caches_and_rebuilds_corrupt_files(tmp_path, monkeypatch):
-    from hf_dspark import scheduler
 
     target = tiny_target("llama")
     grid = [1, 2, 4]
     now = {"probe": 0.010}  # the engine's speed today, as the probe reads it
-    monkeypatch.setattr(scheduler, "probe_seconds", lambda t, fresh=False: now["probe"])
+    monkeypatch.setattr(costs, "probe_seconds", lambda t, fresh=False: now["probe"])
     timed = []
-    real_time = scheduler.time_verify_steps
-    monkeypatch.setattr(scheduler, "time_verify_steps", lambda *a, **k: timed.append(1) or real_time(*a, **k))
-    sps = SPSProfile.measure(target, grid=grid, context=16, reps=2, cache_dir=tmp_path)
+    real_time = costs.time_verify_steps
+    monkeypatch.setattr(costs, "time_verify_steps", lambda *a, **k: timed.append(1) or real_time(*a, **k))
+    sps = costs.measure_profile(target, grid=grid, context=16, reps=2, cache_dir=tmp_path)
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and len(timed) == 1
     saved = json.loads(files[0].read_text())
@@ -263,28 +262,27 @@ def test_measure_caches_and_rebuilds_corrupt_files(tmp_path, monkeypatch):
     assert all(sps(b) > 0 for b in grid) and sps(1) >= sps(2) >= sps(4)
     # a second call reads the cache (same numbers, nothing timed), also when the probe moved by less than 30%
     now["probe"] = 0.012
-    assert SPSProfile.measure(target, grid=grid, context=16, cache_dir=tmp_path).table == sps.table
+    assert costs.measure_profile(target, grid=grid, context=16, cache_dir=tmp_path).table == sps.table
     assert len(timed) == 1
     # stale: the machine runs 2x slower (or faster) than when the file was measured -> measured again
     for probe in (0.020, 0.005):
         now["probe"] = probe
-        SPSProfile.measure(target, grid=grid, context=16, reps=1, cache_dir=tmp_path)
+        costs.measure_profile(target, grid=grid, context=16, reps=1, cache_dir=tmp_path)
         assert json.loads(files[0].read_text())["probe"] == probe
     assert len(timed) == 3
     # a file from before probes were recorded is measured again
     files[0].write_text(json.dumps({"ident": saved["ident"], "table": saved["table"]}))
-    SPSProfile.measure(target, grid=grid, context=16, reps=1, cache_dir=tmp_path)
+    costs.measure_profile(target, grid=grid, context=16, reps=1, cache_dir=tmp_path)
     assert len(timed) == 4 and "probe" in json.loads(files[0].read_text())
     files[0].write_text("{not json")
-    rebuilt = SPSProfile.measure(target, grid=grid, context=16, reps=2, cache_dir=tmp_path)
+    rebuilt = costs.measure_profile(target, grid=grid, context=16, reps=2, cache_dir=tmp_path)
     assert set(rebuilt.table) == set(grid) and json.loads(files[0].read_text())["table"] and len(timed) == 5
     # a different dtype is a different key
-    SPSProfile.measure(target.double(), grid=grid, context=16, reps=1, cache_dir=tmp_path)
+    costs.measure_profile(target.double(), grid=grid, context=16, reps=1, cache_dir=tmp_path)
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
 def test_probe_is_timed_once_per_target_unless_fresh(monkeypatch):
-    from hf_dspark import scheduler
 
     target = tiny_target("llama")
     shapes = []
@@ -292,17 +290,17 @@ def test_probe_is_timed_once_per_target_unless_fresh(monkeypatch):
     monkeypatch.setattr(
         target, "forward", lambda *a, **k: shapes.append(tuple(k["input_ids"].shape)) or real_forward(*a, **k)
     )
-    first = scheduler.probe_seconds(target)
-    assert first > 0 and shapes == [(1, scheduler.PROBE_CONTEXT)] + [(1, 1)] * 4  # short cache, warm-up + 3
-    assert scheduler.probe_seconds(target) == first and len(shapes) == 5  # remembered
-    again = scheduler.probe_seconds(target, fresh=True)
-    assert len(shapes) == 10 and scheduler.probe_seconds(target) == again
+    first = costs.probe_seconds(target)
+    assert first > 0 and shapes == [(1, costs.PROBE_CONTEXT)] + [(1, 1)] * 4  # short cache, warm-up + 3
+    assert costs.probe_seconds(target) == first and len(shapes) == 5  # remembered
+    again = costs.probe_seconds(target, fresh=True)
+    assert len(shapes) == 10 and costs.probe_seconds(target) == again
 
 
 def test_measure_on_batch_shapes(tmp_path, monkeypatch):
     """rows > 1 times [rows, B / rows] blocks, cached under its own key; generate measures the profile for its own
     batch size on the widths it verifies (1 + ℓ, ℓ = 0..γ), once per batch size, unless the user set one."""
-    from hf_dspark import DSparkDraftModel, scheduler
+    from hf_dspark import DSparkDraftModel
 
     target = tiny_target("llama")
     shapes, masks = [], []
@@ -316,27 +314,27 @@ def test_measure_on_batch_shapes(tmp_path, monkeypatch):
         return real_forward(*a, **k)
 
     monkeypatch.setattr(target, "forward", spy)
-    monkeypatch.setattr(scheduler, "probe_seconds", lambda t, fresh=False: 1.0)
-    sps = SPSProfile.measure(target, grid=[3, 6, 9], context=8, reps=1, cache_dir=tmp_path, rows=3)
+    monkeypatch.setattr(costs, "probe_seconds", lambda t, fresh=False: 1.0)
+    sps = costs.measure_profile(target, grid=[3, 6, 9], context=8, reps=1, cache_dir=tmp_path, rows=3)
     assert sorted(sps.table) == [3, 6, 9]
     assert shapes == [(3, 8)] + [(3, 1), (3, 2), (3, 3)] * 2  # prefill, then a warm-up pass + 1 pass over B
     # a batch is timed under a left-padding mask (one hole), covering the cache and the new block
     assert [tuple(m.shape) for m in masks] == [(3, 8)] + [(3, 9), (3, 10), (3, 11)] * 2
     assert all(int((m == 0).sum()) == 1 and m[0, 0] == 0 for m in masks)
     masks.clear()
-    SPSProfile.measure(target, grid=[1, 2], context=8, reps=1, cache_dir=None)
+    costs.measure_profile(target, grid=[1, 2], context=8, reps=1, cache_dir=None)
     assert masks == [None] * 5  # one row: the loop passes no mask
     shapes.clear()
-    SPSProfile.measure(target, grid=[3, 6, 9], context=8, reps=1, cache_dir=tmp_path)  # one row: another key
+    costs.measure_profile(target, grid=[3, 6, 9], context=8, reps=1, cache_dir=tmp_path)  # one row: another key
     assert len(list(tmp_path.glob("*.json"))) == 2
     with pytest.raises(ValueError, match="multiple of rows = 2"):
-        SPSProfile.measure(target, grid=[2, 3], context=8, reps=1, cache_dir=None, rows=2)
+        costs.measure_profile(target, grid=[2, 3], context=8, reps=1, cache_dir=None, rows=2)
 
     calls = []
     monkeypatch.setattr(
-        scheduler.SPSProfile,
-        "measure",
-        classmethod(lambda cls, t, grid, rows: calls.append((rows, grid)) or cls.from_callable(lambda B: 1.0)),
+        costs,
+        "measure_profile",
+        lambda t, grid, rows: calls.append((rows, grid)) or SPSProfile.from_callable(lambda B: 1.0),
     )
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     for rows in (4, 4, 1):
@@ -355,12 +353,12 @@ def test_exhaustive_lengths_are_prefixes():
 
 def test_measure_sps_ahead_of_generate(monkeypatch):
     """hf_dspark.measure_sps(draft, R) leaves generate nothing to measure for a batch of R; bad sizes are refused."""
-    from hf_dspark import DSparkDraftModel, scheduler
+    from hf_dspark import DSparkDraftModel
 
     target = tiny_target("llama")
     calls = []
-    fake = classmethod(lambda cls, t, grid, rows: calls.append(rows) or cls.from_callable(lambda B: 1.0 / B))
-    monkeypatch.setattr(scheduler.SPSProfile, "measure", fake)
+    fake = lambda t, grid, rows: calls.append(rows) or SPSProfile.from_callable(lambda B: 1.0 / B)  # noqa: E731
+    monkeypatch.setattr(costs, "measure_profile", fake)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     assert hf_dspark.measure_sps(draft, 1, 2) is draft and calls == [1, 2]
     draft.decoding.verify_mode = "scheduled"

@@ -150,7 +150,7 @@ def warm_up(target, draft, input_ids: torch.Tensor) -> tuple[str, float, float]:
     """Pay the one-time costs before anything is timed: the SPS profile and draft cost the scheduler plans with
     (measured, or loaded from the disk cache) and a first short greedy call of plain and of DSpark ``generate``
     on ``input_ids`` ([1, T]). Returns ("measured" | "loaded", seconds for the profile, seconds for the calls)."""
-    from ..scheduler import CACHE_DIR
+    from ..costs import CACHE_DIR
 
     start, t0 = time.time(), time.perf_counter()
     measure_sps(draft, 1)
