@@ -15,5 +15,5 @@ if [ "$#" -eq 0 ]; then
     --target "$OLDEST" "transformers==5.17.0" "huggingface_hub<2"
   PYTHONPATH="$OLDEST" TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -n auto --durations=15 tests/test_versions.py tests/test_strict_inputs.py \
     tests/test_custom_generate.py tests/test_hub.py tests/test_generation.py tests/test_batched.py tests/test_lookup.py tests/test_trees.py tests/test_lm_head.py \
-    tests/test_messages.py
+    tests/test_messages.py tests/test_decoding_config.py
 fi
