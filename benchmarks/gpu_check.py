@@ -1,6 +1,10 @@
 """The one prepared GPU check: kernels and DSpark decoding end to end on CUDA, in one ≤ 10-minute command.
 
-    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check [--shape qwen3-0.6b|tiny] [--prompts 4]
+    python -m benchmarks.gpu_check --out benchmarks/results/gpu_check [--shape qwen3-0.6b|tiny] [--prompts 4]
+
+From the repository root. On a bare checkout (a borrowed GPU machine without the package installed) the package is
+found there too; the kernels, which an install puts beside it as ``dspark_heads``, need their folder on the path:
+``PYTHONPATH=kernels/torch-ext python3 -m benchmarks.gpu_check ...``.
 
 No network and no download: the target is a randomly initialised Qwen3-0.6B-shaped model (``--shape tiny`` for a
 dry run), the draft a ``from_target`` draft. Sections:
@@ -21,18 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# runs from a bare checkout too (a borrowed GPU machine without the package installed): the package, its kernels
-# (installed as dspark_heads) and the benchmark helpers beside this file
-for path in (ROOT, ROOT / "kernels" / "torch-ext", ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
 SHAPES = {
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -194,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps({name: result}, default=str), flush=True)
 
     if cuda:
-        from kernels_gpu import kernel_checks
+        from benchmarks.kernels_gpu import kernel_checks
 
         section("kernels", {"steps": kernel_checks()})
     else:

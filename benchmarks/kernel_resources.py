@@ -1,7 +1,7 @@
 """Compile every variant of the sequential-head kernel ahead of time for real GPUs, with no GPU, and tabulate the
 resources ptxas gives each: registers, stack (spills to local memory) and shared memory per program.
 
-    python benchmarks/kernel_resources.py [--out benchmarks/results] [--arch 80 90] [--jobs 2]
+    python -m benchmarks.kernel_resources [--out benchmarks/results] [--arch 80 90] [--jobs 2]
 
 Triton's NVIDIA backend ships ptxas and cuobjdump in its wheel, so ``triton.compile`` builds a cubin for
 ``GPUTarget("cuda", arch, 32)`` here, and ``cuobjdump --dump-resource-usage`` reads it. Variants: the dispatcher's
@@ -20,7 +20,6 @@ import multiprocessing
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -48,7 +47,6 @@ def variant_name(v: dict) -> str:
 def compile_variant(arch: int, v: dict, block_v: int) -> dict:
     """Compile one variant for sm_<arch> and read its resources (runs in a worker process)."""
     os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
-    sys.path.insert(0, str(ROOT / "kernels" / "torch-ext"))
     import triton
     from dspark_heads.lowrank_step import LAUNCH_BLOCKS, _lowrank_step_kernel
     from triton.backends.compiler import GPUTarget
@@ -87,7 +85,6 @@ def compile_variant(arch: int, v: dict, block_v: int) -> dict:
 
 def compile_all(archs: list[int], jobs: int = 2) -> list[dict]:
     """Compile every (arch, variant) once; returns one record per (arch, variant, vocabulary)."""
-    sys.path.insert(0, str(ROOT / "kernels" / "torch-ext"))
     from dspark_heads.lowrank_step import DEFAULT_BLOCK_V
 
     work = [(arch, v) for arch in archs for v in variants()]

@@ -1,6 +1,6 @@
 """GPU check of the fused head step (run on a CUDA machine; ~2 minutes on an H200).
 
-    python benchmarks/kernels_gpu.py [--out benchmarks/results/kernels_gpu.json]
+    python -m benchmarks.kernels_gpu [--out benchmarks/results/kernels_gpu.json]
 
 1. Correctness against the PyTorch reference at V ∈ {151936, 49152}, r = 256, R ∈ {1, 32, 128}, bf16 weights:
    logits/lse/confidence to tolerance, argmax tokens exactly.

@@ -1,6 +1,6 @@
 """Learning curve of SmolLM2 training runs: held-out τ of each kept checkpoint, against steps and supervised tokens.
 
-    python benchmarks/learning_curve.py --run run5k-markov-a96 [--run ...] [--prompts 24] [--source S] [--threads 2]
+    python -m benchmarks.learning_curve --run run5k-markov-a96 [--run ...] [--prompts 24] [--source S] [--threads 2]
         [--dtype bfloat16|float32] [--out benchmarks/results/learning_curve]
 
 For every ``checkpoint-N`` a run kept (``--milestone-every`` in the recipe) and its final draft: greedy DSpark
@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
+from hf_dspark import DSparkDraftModel
+from hf_dspark.embedded import DRAFT_DIR, load_target
+from recipes.smollm2_heldout import heldout_stats
+from recipes.smollm2_ship import held_out_prompts, load_run, runs_before
+from recipes.smollm2_train import STATE
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-
-from smollm2_heldout import heldout_stats  # noqa: E402
-from smollm2_ship import held_out_prompts, load_run, runs_before  # noqa: E402
-from smollm2_train import STATE  # noqa: E402
-
-from hf_dspark import DSparkDraftModel  # noqa: E402
-from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
 
 
 def kept_steps(run: Path, every: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Peak memory of DSpark `generate` against plain `generate` at long prompts (CPU: process RSS; CUDA: allocator).
 
-    python benchmarks/long_context_memory.py [--lengths 4096 16384] [--out benchmarks/results/long_context_memory]
+    python -m benchmarks.long_context_memory [--lengths 4096 16384] [--out benchmarks/results/long_context_memory]
 
 Each measurement runs in a fresh process: a randomly initialised Llama-shaped target (no download; big enough
 that a layer's hidden states over the prompt are visible), a ``from_target`` draft, one prompt of random tokens,

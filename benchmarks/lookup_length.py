@@ -1,6 +1,6 @@
 """How long a lookup continuation should be: the shipped configuration at several ``lookup_max_tokens``.
 
-    python benchmarks/lookup_length.py [--tokens 8 12 16 24] [--adaptive 24] [--per-source 10] [--threads 2]
+    python -m benchmarks.lookup_length [--tokens 8 12 16 24] [--adaptive 24] [--per-source 10] [--threads 2]
         [--sources ...] [--eval-sets humaneval gsm8k mt-bench --limit 15] [--out benchmarks/results/lookup_length]
 
 The shipped draft as shipped (scheduled, lookup drafting over n-grams of 3..2 tokens) with each lookup cap, beside
@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from hf_dspark import DSparkDraftModel, dspark_generate
+from hf_dspark.embedded import DRAFT_DIR, fast_dtype, load_target
+from hf_dspark.evaluation.bench import Method, bench, markdown_table
+from recipes.smollm2_prepare import recipe_prompts
+from recipes.smollm2_train import is_held_out
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-
-from smollm2_prepare import recipe_prompts  # noqa: E402
-from smollm2_train import is_held_out  # noqa: E402
-
-from hf_dspark import DSparkDraftModel, dspark_generate  # noqa: E402
-from hf_dspark.embedded import DRAFT_DIR, fast_dtype, load_target  # noqa: E402
-from hf_dspark.evaluation.bench import Method, bench, markdown_table  # noqa: E402
 
 
 def capped(target, draft, tokens: int | None, adaptive: bool = False) -> Method:

@@ -1,6 +1,6 @@
 """Per-round cost of the decoding loop's own Python, on a target so tiny that its math is negligible.
 
-    python benchmarks/loop_overhead.py [--out benchmarks/results/loop_overhead.json]
+    python -m benchmarks.loop_overhead [--out benchmarks/results/loop_overhead.json]
 
 A 2-layer, 32-wide random Llama target and a 1-layer draft (γ = 4), greedy, fixed verification (every round
 drafts and verifies, no timing-dependent plan), 1 thread: the time per round is what the loop itself costs.

@@ -1,6 +1,6 @@
 """Our loop against transformers' own DFlash loop, on the same native drafter (``MuseGlimmerAssistantModel``).
 
-    python benchmarks/native_dflash.py --out benchmarks/results/native_dflash [--reps 5] [--new-tokens 64]
+    python -m benchmarks.native_dflash --out benchmarks/results/native_dflash [--reps 5] [--new-tokens 64]
                                        [--samples 1500] [--readme docs/results.md]
 
 Needs a transformers with the native drafter (5.25+). No download: a random Qwen3-shaped target (8 layers, hidden

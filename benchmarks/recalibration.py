@@ -1,6 +1,6 @@
 """Does per-call recalibration of the confidences pay, and with which prior and decay? Priced, not timed.
 
-    python benchmarks/recalibration.py [--variants off on on:prior=4 on:decay=0.8] [--lookup 3] [--per-source 8]
+    python -m benchmarks.recalibration [--variants off on on:prior=4 on:decay=0.8] [--lookup 3] [--per-source 8]
         [--sources ...] [--eval-sets humaneval gsm8k mt-bench --limit 10] [--threads 2]
         [--out benchmarks/results/recalibration]
 
@@ -33,24 +33,21 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
+import hf_dspark
+from benchmarks.lookup_length import held_out_texts
+from hf_dspark import DSparkDraftModel, generation
+from hf_dspark.__main__ import SAMPLE_PROMPTS
+from hf_dspark.costs import measured_draft_seconds, round_prices
+from hf_dspark.embedded import DRAFT_DIR, load_target
+from hf_dspark.evaluation.evaluate import load_prompts
+from hf_dspark.recalibration import AcceptanceRecalibration
+from hf_dspark.scheduler import SPSProfile
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from lookup_length import held_out_texts  # noqa: E402
-
-import hf_dspark  # noqa: E402
-from hf_dspark import DSparkDraftModel, generation  # noqa: E402
-from hf_dspark.__main__ import SAMPLE_PROMPTS  # noqa: E402
-from hf_dspark.costs import measured_draft_seconds, round_prices  # noqa: E402
-from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
-from hf_dspark.evaluation.evaluate import load_prompts  # noqa: E402
-from hf_dspark.recalibration import AcceptanceRecalibration  # noqa: E402
-from hf_dspark.scheduler import SPSProfile  # noqa: E402
 
 
 def parse_variant(spec: str) -> tuple[bool, dict]:

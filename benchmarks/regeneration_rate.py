@@ -1,6 +1,6 @@
 """Rows per hour of answer regeneration: plain `generate` against DSpark decoding, at the recipe's batch size and one.
 
-    python benchmarks/regeneration_rate.py [--prompts 24] [--max-new-tokens 256] [--dtype auto] [--threads 2]
+    python -m benchmarks.regeneration_rate [--prompts 24] [--max-new-tokens 256] [--dtype auto] [--threads 2]
 
 The prompts are the first of the recipe's own training mix (math, code and chat: training prompts, never
 evaluation ones); every way answers them with the recipe's sampling settings (T = 0.7, top-p 0.8, top-k 20) into

@@ -1,6 +1,6 @@
 """Batched throughput of verify modes on the embedded target (issue: confidence-scheduled verification).
 
-    python benchmarks/scheduler_throughput.py [--draft DIR] [--rows 1 4 8 16] [--max-new-tokens 64] [--dtype auto]
+    python -m benchmarks.scheduler_throughput [--draft DIR] [--rows 1 4 8 16] [--max-new-tokens 64] [--dtype auto]
                                               [--prompts 8] [--repeats 3]
 
 For R concurrent prompts of mixed domains (first turns of gsm8k, humaneval, mt-bench, mbpp, math500; at least

@@ -1,6 +1,6 @@
 """Why is the first drafted token accepted so rarely? A probe of the SmolLM2 draft's slots on held-out answers.
 
-    python benchmarks/slot_probe.py [--draft DIR | --run NAME] [--rows 40] [--out benchmarks/results/slot_probe.json]
+    python -m benchmarks.slot_probe [--draft DIR | --run NAME] [--rows 40] [--out benchmarks/results/slot_probe.json]
 
 Teacher-forced blocks anchored at every position of held-out answers (never trained on), float32: for each slot k,
 whether the draft's argmax equals the target's (greedy acceptance of slot k given a correct prefix), binned by the
@@ -16,25 +16,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import Counter, defaultdict
 from itertools import pairwise
 from pathlib import Path
 
 import torch
 
+from hf_dspark import DSparkDraftModel
+from hf_dspark.embedded import DRAFT_DIR, load_target
+from hf_dspark.training.data import load_dataset
+from hf_dspark.training.features import target_outputs
+from hf_dspark.training.losses import block_predictions
+from recipes.smollm2_prepare import ANSWERS
+from recipes.smollm2_ship import load_run
+from recipes.smollm2_train import STATE, is_held_out
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-
-from smollm2_prepare import ANSWERS  # noqa: E402
-from smollm2_ship import load_run  # noqa: E402
-from smollm2_train import STATE, is_held_out  # noqa: E402
-
-from hf_dspark import DSparkDraftModel  # noqa: E402
-from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
-from hf_dspark.training.data import load_dataset  # noqa: E402
-from hf_dspark.training.features import target_outputs  # noqa: E402
-from hf_dspark.training.losses import block_predictions  # noqa: E402
 
 BINS = [0.0, 0.3, 0.5, 0.7, 0.9, 1.01]
 

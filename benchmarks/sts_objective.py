@@ -1,6 +1,6 @@
 """STS fitted by ECE (the paper's objective) against the Brier score, on the same decode-calibration data.
 
-    python benchmarks/sts_objective.py [--draft DIR] [--blocks 2000] [--out benchmarks/results/sts_objective]
+    python -m benchmarks.sts_objective [--draft DIR] [--blocks 2000] [--out benchmarks/results/sts_objective]
 
 Collects the draft's confidence logits and outcomes the way ``recipes/smollm2_ship.py`` calibrates (greedy DSpark
 decoding of the recipe's held-out prompts, bfloat16 target, every block verified), fits per-position temperatures
@@ -15,20 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
+from hf_dspark import DSparkDraftModel
+from hf_dspark.calibration import OBJECTIVES, calibration_report, sequential_temperature_scaling
+from hf_dspark.embedded import DRAFT_DIR, load_target
+from hf_dspark.training.calibrate import collect_decode_confidence
+from recipes.smollm2_ship import held_out_prompts
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-
-from smollm2_ship import held_out_prompts  # noqa: E402
-
-from hf_dspark import DSparkDraftModel  # noqa: E402
-from hf_dspark.calibration import OBJECTIVES, calibration_report, sequential_temperature_scaling  # noqa: E402
-from hf_dspark.embedded import DRAFT_DIR, load_target  # noqa: E402
-from hf_dspark.training.calibrate import collect_decode_confidence  # noqa: E402
 
 
 def markdown(report: dict) -> str:

@@ -1,6 +1,6 @@
 """Token trees against chains, same weights: τ and speed on the shipped eval sets, side by side in one run.
 
-    python benchmarks/token_trees.py [--datasets humaneval gsm8k mt-bench] [--limit 30] [--max-new-tokens 96]
+    python -m benchmarks.token_trees [--datasets humaneval gsm8k mt-bench] [--limit 30] [--max-new-tokens 96]
         [--top-k 2 4] [--threads 2] [--out benchmarks/results/token_trees]
 
 The embedded SmolLM2 target and the shipped draft, greedy, in float32 on a CPU without bfloat16 units (forced to
@@ -81,7 +81,7 @@ def report(saved: dict) -> str:
         f"# Token trees against chains ({st['dtype']}, greedy, {st['limit']} prompts per set, "
         f"{st['max_new_tokens']} new tokens, {st['threads']} threads)",
         "",
-        "Written by `python benchmarks/token_trees.py --report` from `token_trees.json`; methods in the script's "
+        "Written by `python -m benchmarks.token_trees --report` from `token_trees.json`; methods in the script's "
         "docstring. τ = tokens committed per round.",
         "",
         markdown_table(saved["results"]),

@@ -1,6 +1,6 @@
 """Training throughput of the SmolLM2 recipe: supervised draft positions per second on this machine.
 
-    python benchmarks/train_throughput.py [--steps 20] [--threads 2] [--layout speculators|ours] [--flush-denormal]
+    python -m benchmarks.train_throughput [--steps 20] [--threads 2] [--layout speculators|ours] [--flush-denormal]
         [--anchors 48] [--batch-size 1] [--out benchmarks/results/train_throughput/NAME.json]
 
 The recipe's draft and settings (``recipes/smollm2_train.py``: 2 layers, γ = 8, 48 anchors per sequence, one
@@ -16,24 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from hf_dspark.embedded import load_target
+from hf_dspark.training.data import frequent_tokens, load_dataset
+from hf_dspark.training.features import FeatureCache
+from hf_dspark.training.losses import LossWeights
+from hf_dspark.training.trainer import TrainConfig, batch_generator, make_batch, train
+from recipes.smollm2_prepare import ANSWERS
+from recipes.smollm2_train import build_draft, is_held_out, spare_token
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-
-from smollm2_prepare import ANSWERS  # noqa: E402
-from smollm2_train import build_draft, is_held_out, spare_token  # noqa: E402
-
-from hf_dspark.embedded import load_target  # noqa: E402
-from hf_dspark.training.data import frequent_tokens, load_dataset  # noqa: E402
-from hf_dspark.training.features import FeatureCache  # noqa: E402
-from hf_dspark.training.losses import LossWeights  # noqa: E402
-from hf_dspark.training.trainer import TrainConfig, batch_generator, make_batch, train  # noqa: E402
 
 
 def supervised_positions(rows: list[dict], cfg: TrainConfig, steps: range, block_size: int) -> int:

@@ -1,6 +1,6 @@
 """Where a float32 verify's extra cost lies once the LM head is transposed: the decoder layers' own matmuls.
 
-    python benchmarks/verify_body.py [--threads 2] [--out benchmarks/results/verify_head]
+    python -m benchmarks.verify_body [--threads 2] [--out benchmarks/results/verify_head]
 
 ``hf_dspark/lm_head.py`` computes the verify's LM head as ``W @ hᵀ`` where that pays, because F.linear's small-M
 GEMM path cost 2-3x a one-row product there. This asks whether the same re-routing would pay for the decoder
@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 
 import torch
-from verify_head import matmul_table
 
+from benchmarks.verify_head import matmul_table
 from hf_dspark.embedded import fast_dtype, load_target
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """What one forward of the embedded target costs as a function of the tokens it processes, per dtype.
 
-    python benchmarks/verify_cost.py [--dtypes float32 bfloat16] [--tokens 1 2 3 4 6 8 12 16 32 64]
+    python -m benchmarks.verify_cost [--dtypes float32 bfloat16] [--tokens 1 2 3 4 6 8 12 16 32 64]
 
 This is the number that decides whether speculative decoding can pay on a machine: a round verifies the anchor
 plus ℓ draft tokens in one forward, so the draft must commit more tokens per round than that forward costs in

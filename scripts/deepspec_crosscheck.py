@@ -1,6 +1,6 @@
 """Cross-check our DeepSpec loader and decoding loop against DeepSpec's own code (deepseek-ai/DeepSpec).
 
-    PYTHONPATH=.venv/transformers-5.17 python scripts/deepspec_crosscheck.py --deepspec PATH_TO_DEEPSPEC \
+    PYTHONPATH=.venv/transformers-5.17 python -m scripts.deepspec_crosscheck --deepspec PATH_TO_DEEPSPEC \
         [--out benchmarks/results/deepspec_crosscheck.json]        # or DEEPSPEC_SRC=PATH instead of --deepspec
 
 Run it under transformers 5.17 (the copy ``scripts/test.sh`` installs in ``.venv/transformers-5.17``): DeepSpec
@@ -42,11 +42,10 @@ from types import SimpleNamespace
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from hf_dspark import DSparkDraftModel, dspark_generate
+from hf_dspark.testing import tiny_target
 
-from hf_dspark import DSparkDraftModel, dspark_generate  # noqa: E402
-from hf_dspark.testing import tiny_target  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB, MASK, BLOCK, RANK, NEW_TOKENS = 12, 11, 4, 8, 48
 # (name, markov_head_type or None, confidence head: None | "markov" | "hidden")
@@ -69,7 +68,7 @@ class ModelArgs(dict):
 def import_deepspec(path: Path):
     if not (path / "deepspec" / "modeling" / "dspark" / "qwen3" / "modeling.py").is_file():
         raise SystemExit(f"{path} is not a DeepSpec checkout (no deepspec/modeling/dspark/qwen3/modeling.py in it)")
-    sys.path.insert(0, str(path))
+    sys.path.insert(0, str(path))  # DeepSpec is a checkout, not a package: the one foreign tree imported by path
     from deepspec.eval.dspark import draft_ops
     from deepspec.eval.dspark.evaluator import Qwen3DSparkEvaluator
     from deepspec.modeling.dspark.common import extract_context_feature

@@ -1,6 +1,6 @@
 """A real SmolLM2 draft through the `speculators` format and back (issue #21's check on a trained draft, not a toy).
 
-    PYTHONPATH=.venv/speculators-0.9.0 python scripts/speculators_roundtrip.py DRAFT_DIR \\
+    PYTHONPATH=.venv/speculators-0.9.0 python -m scripts.speculators_roundtrip DRAFT_DIR \\
         [--out benchmarks/results/speculators_roundtrip.json] [--prompts 4] [--max-new-tokens 64]
 
 1. Export DRAFT_DIR with ``hf-dspark``'s speculators exporter (the SmolLM2 target saved beside it as the verifier).
@@ -17,24 +17,20 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from speculators.models.dspark import DSparkDraftModel as TheirDSpark
+
+from hf_dspark import DSparkDraftModel
+from hf_dspark.compat import export_speculators
+from hf_dspark.drafting import target_features
+from hf_dspark.embedded import load_target
+from recipes.smollm2_ship import held_out_prompts
+from scripts.testing.speculators_check import compare, eager, ours_block, theirs_block
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts" / "testing"))
-sys.path.insert(0, str(ROOT / "recipes"))
-
-from smollm2_ship import held_out_prompts  # noqa: E402
-from speculators.models.dspark import DSparkDraftModel as TheirDSpark  # noqa: E402
-from speculators_check import compare, eager, ours_block, theirs_block  # noqa: E402
-
-from hf_dspark import DSparkDraftModel  # noqa: E402
-from hf_dspark.compat import export_speculators  # noqa: E402
-from hf_dspark.drafting import target_features  # noqa: E402
-from hf_dspark.embedded import load_target  # noqa: E402
 
 
 def save_verifier(target, folder: Path) -> None:

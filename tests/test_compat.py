@@ -3,7 +3,6 @@ re-implementation of that layout's forward, and our export round-trips."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -330,13 +329,9 @@ def test_deepspec_layout_carries_the_rnn_head(tmp_path):
 
 
 def test_deepspec_crosscheck_script_names_what_it_needs(tmp_path, monkeypatch):
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    try:
-        from deepspec_crosscheck import main
-    finally:
-        sys.path.pop(0)
+    from scripts.deepspec_crosscheck import main
+
     monkeypatch.delenv("DEEPSPEC_SRC", raising=False)
     with pytest.raises(SystemExit, match="name DeepSpec's source: --deepspec PATH or DEEPSPEC_SRC=PATH"):
         main(["--out", str(tmp_path / "r.json")])

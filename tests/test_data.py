@@ -8,7 +8,6 @@ import gzip
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -72,11 +71,8 @@ def test_dataset_names_resolve_inside_the_package():
 
 
 def test_training_prompts_ship_and_make_the_recipe_mix():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        from smollm2_prepare import ANSWERS, COUNTS, EXTRAS, recipe_prompts
-    finally:
-        sys.path.remove(str(ROOT / "recipes"))
+    from recipes.smollm2_prepare import ANSWERS, COUNTS, EXTRAS, recipe_prompts
+
     prompts = recipe_prompts()
     mix, rest = prompts[: sum(COUNTS.values())], prompts[sum(COUNTS.values()) :]
     assert {name: sum(p.source == name for p in mix) for name in COUNTS} == COUNTS
@@ -197,11 +193,8 @@ def test_regenerate_with_a_draft_writes_the_same_greedy_answers(tmp_path, batch_
 
 
 def test_function_prompts_keep_the_signature_and_imports_and_drop_the_solution():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from make_function_prompts import INSTRUCTION, function_prompt
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    from scripts.make_function_prompts import INSTRUCTION, function_prompt
+
     solution = (
         "import math\nfrom typing import List\n\n@cache\ndef norms(xs: List[float],\n          p: int = 2) -> float:\n"
         '    """Old docstring."""\n    return math.fsum(x**p for x in xs) ** (1 / p)\n\nprint(norms([3, 4]))\n'
@@ -257,11 +250,8 @@ def test_vendored_reference_answers_answer_vendored_prompts():
 
 
 def test_gsm8k_solutions_lose_calculator_annotations_and_spell_the_answer():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from make_reference_answers import gsm8k_answer
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    from scripts.make_reference_answers import gsm8k_answer
+
     text = "She sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72.\n#### 72"
     assert gsm8k_answer(text) == "She sold 48/2 = 24 clips.\nIn all 48+24 = 72.\nThe answer is 72."
     assert gsm8k_answer("no final line") == "no final line"

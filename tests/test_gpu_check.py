@@ -1,12 +1,8 @@
 """The prepared GPU check, dry-run on CPU: the same script, CUDA-only parts reported as skipped with the reason."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import gpu_check
+from benchmarks import gpu_check
 
 
 def test_cpu_dry_run_checks_decoding_and_reports_what_it_skipped(tmp_path, capsys):

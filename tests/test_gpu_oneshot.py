@@ -20,13 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def oneshot():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        import smollm2_gpu_oneshot
+    from recipes import smollm2_gpu_oneshot
 
-        yield smollm2_gpu_oneshot
-    finally:
-        sys.path.remove(str(ROOT / "recipes"))
+    yield smollm2_gpu_oneshot
 
 
 def test_parts_fit_the_room_and_join_back_exactly(oneshot, tmp_path):

@@ -1,13 +1,8 @@
 """The Triton kernel compiled ahead of time for real GPUs (sm_80, sm_90) with Triton's bundled ptxas, no GPU
 needed: every variant the dispatcher can launch must compile, within the register and stack goals."""
 
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from kernel_resources import GOALS, VOCABS, compile_all, variants  # noqa: E402
+from benchmarks.kernel_resources import GOALS, VOCABS, compile_all, variants
 
 
 def test_every_variant_compiles_for_sm80_and_sm90_within_the_goals():

@@ -181,14 +181,9 @@ def test_exports_refuse_sliding_layers(tmp_path):
 
 def test_side_by_side_benchmark_runs_and_reports_identity(tmp_path):
     """benchmarks/native_dflash.py at toy size: its report says the two loops agreed and names theirs' refusal."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        from native_dflash import main
-    finally:
-        sys.path.pop(0)
+    from benchmarks.native_dflash import main
+
     readme = tmp_path / "results.md"
     report = main(["--out", str(tmp_path), "--reps", "1", "--new-tokens", "8", "--samples", "20",
                    "--readme", str(readme)])  # fmt: skip

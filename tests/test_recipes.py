@@ -2,21 +2,16 @@
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_dspark.testing import tiny_target
+from recipes.smollm2_ship import load_run, loss_terms, run_history, train_command, unfinished_run
+from recipes.smollm2_train import build_draft, record_recipe, run_rows, start_from
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-try:
-    from smollm2_ship import load_run, loss_terms, run_history, train_command, unfinished_run
-    from smollm2_train import build_draft, record_recipe, run_rows, start_from
-finally:
-    sys.path.remove(str(ROOT / "recipes"))
 
 
 def test_a_new_run_starts_from_a_finished_drafts_weights_and_vocabulary(tmp_path):
@@ -200,8 +195,8 @@ def test_a_run_with_three_draft_layers_is_rebuilt_and_reproduced_with_three(tmp_
 
 
 def test_a_run_continued_from_the_shipped_draft_carries_its_history_on(tmp_path):
-    from smollm2_ship import runs_before
-    from smollm2_train import shipped_runs
+    from recipes.smollm2_ship import runs_before
+    from recipes.smollm2_train import shipped_runs
 
     target = tiny_target("llama", vocab_size=96)
     write_run(tmp_path, "first", 4000, 3e-3, 0, None, rows=3000)

@@ -171,11 +171,8 @@ def test_cli_exports_the_speculators_layout(tmp_path):
 def test_the_recipe_trains_drafts_that_export(smollm2, tmp_path):
     """recipes/smollm2_train.py builds the SmolLM2 draft in the exportable layout by default (q/k norms, mask slots
     embedding the spare <empty_output> token): it exports, and loads back decoding identically."""
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        from smollm2_train import build_draft, spare_token
-    finally:
-        sys.path.remove(str(ROOT / "recipes"))
+    from recipes.smollm2_train import build_draft, spare_token
+
     target, tokenizer = smollm2
     rows = [{"id": "a", "prompt_ids": [1, 9, 30], "response_ids": [40, 50, 2]}]
     token = spare_token(tokenizer, rows)

@@ -1,0 +1,1 @@
+"""Maintainer scripts (data copies, results pages, cross-checks against other implementations)."""
