@@ -1,7 +1,6 @@
 """The Triton kernel compiled ahead of time for real GPUs (sm_80, sm_90) with Triton's bundled ptxas, no GPU
 needed: every variant the dispatcher can launch must compile, within the register and stack goals."""
 
-
 from benchmarks.kernel_resources import GOALS, VOCABS, compile_all, variants
 
 
