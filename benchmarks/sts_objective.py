@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from hf_dspark import DSparkDraftModel
-from hf_dspark.calibration import OBJECTIVES, calibration_report, sequential_temperature_scaling
 from hf_dspark.embedded import DRAFT_DIR, load_target
+from hf_dspark.sts import OBJECTIVES, calibration_report, sequential_temperature_scaling
 from hf_dspark.training.calibrate import collect_decode_confidence
 from recipes.smollm2_ship import held_out_prompts
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation import LogitsProcessorList
 
-from .kernels import fused_head_step, fused_temperature, use_kernels
+from .kernel_dispatch import fused_head_step, fused_temperature, use_kernels
 from .modeling_dspark import DSparkDraftModel
 from .scheduler import ColumnPlan
 from .verify import probs, process

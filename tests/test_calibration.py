@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hf_dspark.calibration import (
+from hf_dspark.sts import (
     DEFAULT_GRID,
     calibration_report,
     ece,
