@@ -16,14 +16,9 @@ at once from known previous tokens (training, calibration), with the same ``rows
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:  # the config reads HEADS from here for its list of head types
-    from .configuration_dspark import DSparkConfig
 
 
 class LowRankHead(nn.Module):
@@ -131,7 +126,7 @@ class RNNHead(LowRankHead):
 HEADS = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
 
 
-def build_sequential_head(config: DSparkConfig) -> nn.Module | None:
+def build_sequential_head(config) -> nn.Module | None:  # config: a DSparkConfig (which imports HEADS from here)
     """The sequential head named by ``config.head_type`` (``None`` for the pure parallel drafter); W2 has one row
     per draft-vocabulary token when ``config.head_vocab == "draft"``, else one per target token."""
     if config.head_type == "none":

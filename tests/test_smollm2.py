@@ -98,7 +98,7 @@ def test_main_command_explains_a_difference_and_stops_when_it_is_no_tie(monkeypa
 
         def generate(ids, **kw):
             out = plain_generate(ids, **kw)
-            if "assistant_model" in kw and kw["max_new_tokens"] > 8:  # not the warm-up call
+            if "draft" in kw and kw["max_new_tokens"] > 8:  # the DSpark call, not the warm-up
                 out = out.clone()
                 out[0, -1] = tokenizer.convert_tokens_to_ids("Ġbanana")
             return out
