@@ -11,7 +11,6 @@ Shapes: R rows, L context positions, γ = block_size, d = hidden_size, V = vocab
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -549,7 +548,7 @@ class DSparkDraftModel(PreTrainedModel):
         ``target_vocab_size=target.config.get_text_config().vocab_size``. For every other layout that argument is a
         check: a draft built for another vocabulary raises ``ValueError`` naming both sizes.
         """
-        saved, foreign = cls._foreign_layout(pretrained_model_name_or_path, kwargs)
+        foreign = cls._foreign_layout(pretrained_model_name_or_path, kwargs)
         if foreign is not None:
             return foreign
         vocab = kwargs.pop("target_vocab_size", None)  # a check here, never a config override
@@ -569,14 +568,15 @@ class DSparkDraftModel(PreTrainedModel):
         if problems:
             raise ValueError(f"Malformed DSpark checkpoint {pretrained_model_name_or_path}: " + "; ".join(problems))
         _check_vocab(pretrained_model_name_or_path, model, vocab)
+        saved = checkpoint_folder(pretrained_model_name_or_path, kwargs)
         if (saved / DECODING_CONFIG_NAME).is_file():  # else a checkpoint from before the split: config.json's
             model.decoding = DecodingConfig.from_pretrained(saved)
         return (model, info) if want_info else model
 
     @classmethod
-    def _foreign_layout(cls, name_or_path, kwargs: dict) -> tuple[Path, DSparkDraftModel | None]:
+    def _foreign_layout(cls, name_or_path, kwargs: dict) -> DSparkDraftModel | None:
         """Load checkpoints written by other implementations (DeepSpec, z-lab DFlash, speculators, transformers'
-        native DFlash drafters) -> (the checkpoint's local folder, the draft; ``None`` for our own layout).
+        native DFlash drafters); ``None`` for our own layout.
 
         Raises ``FileNotFoundError`` naming the path or file for a missing folder, config.json or weights file, and
         ``ValueError`` naming the file for a damaged one or a config.json that is neither ours nor a layout we know."""
@@ -587,11 +587,11 @@ class DSparkDraftModel(PreTrainedModel):
             raise registry.unknown_layout(name_or_path, raw)
         check_weight_files(folder)
         if fmt.load is None:  # our own layout: PreTrainedModel.from_pretrained reads it
-            return folder, None
+            return None
         vocab = kwargs.get("target_vocab_size")  # transformers' native drafters do not record it: the caller does
         model = fmt.load(cls, folder, raw, dtype=kwargs.get("dtype"), target_vocab_size=vocab)
         _check_vocab(name_or_path, model, vocab)
-        return folder, model
+        return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Like ``PreTrainedModel.save_pretrained``, always safetensors; the borrowed target weights are not saved.
