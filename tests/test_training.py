@@ -286,6 +286,10 @@ def test_two_process_training_keeps_ranks_identical(tmp_path):
     assert [r["world"] for r in ranks] == [2, 2]
     assert ranks[0]["moved"] > 0  # training really updated the draft
     assert ranks[0]["params"] == ranks[1]["params"]
+    # the checkpoint holds both ranks' RNG states, and no process left a half-written folder behind
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoint-4").glob("random_states_*"))
+    assert saved == ["random_states_0.pkl", "random_states_1.pkl"]
+    assert not list((tmp_path / "run").glob(".tmp-*"))
 
 
 def test_cli_train_then_calibrate(setup, tmp_path):

@@ -222,6 +222,8 @@ def save_checkpoint(acc, out_dir: Path, step: int, keep: int, milestone_every: i
         shutil.rmtree(tmp)
     acc.wait_for_everyone()
     acc.save_state(str(tmp))
+    # every process writes its own RNG state into tmp, and save_state does not wait: rename only once all have
+    acc.wait_for_everyone()
     if acc.is_main_process:
         (tmp / "step.json").write_text(json.dumps({"step": step}))
         if final.exists():
