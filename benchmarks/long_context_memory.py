@@ -44,8 +44,8 @@ def measure(method: str, length: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import hf_dspark.drafting as drafting
     from hf_dspark import DSparkDraftModel, dspark_generate
+    from hf_dspark.decoding import drafting
 
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(max_position_embeddings=length + 64, **TARGET)).eval()

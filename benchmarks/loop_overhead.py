@@ -21,23 +21,24 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_dspark import DSparkDraftModel, dspark_generate, generation
+from hf_dspark import DSparkDraftModel, dspark_generate
+from hf_dspark.decoding import loop
 
 
 def loop_lines() -> dict:
     """Lines of the decode loop (the public entry point and, on commits that had one, the body it delegated to),
-    and of the longest function or method in ``hf_dspark/generation.py``."""
-    names = [n for n in ("dspark_decode", "_decode") if hasattr(generation, n)]
-    loop = sum(len(inspect.getsource(getattr(generation, n)).splitlines()) for n in names)
-    candidates = list(vars(generation).values())
-    for cls in vars(generation).values():
-        if inspect.isclass(cls) and cls.__module__ == generation.__name__:
+    and of the longest function or method in ``hf_dspark/decoding/loop.py``."""
+    names = [n for n in ("dspark_decode", "_decode") if hasattr(loop, n)]
+    loop_total = sum(len(inspect.getsource(getattr(loop, n)).splitlines()) for n in names)
+    candidates = list(vars(loop).values())
+    for cls in vars(loop).values():
+        if inspect.isclass(cls) and cls.__module__ == loop.__name__:
             candidates += [getattr(f, "__func__", f) for f in vars(cls).values()]
     candidates = [inspect.unwrap(f) if callable(f) else f for f in candidates]  # torch.no_grad wraps the loop
-    source_file = inspect.getsourcefile(generation)
+    source_file = inspect.getsourcefile(loop)
     functions = [f for f in candidates if inspect.isfunction(f) and f.__code__.co_filename == source_file]
     longest = max(functions, key=lambda f: len(inspect.getsource(f).splitlines()))
-    return {"loop_lines": loop, "longest_function": longest.__qualname__,
+    return {"loop_lines": loop_total, "longest_function": longest.__qualname__,
             "longest_function_lines": len(inspect.getsource(longest).splitlines())}  # fmt: skip
 
 

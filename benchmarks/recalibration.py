@@ -5,9 +5,10 @@
         [--out benchmarks/results/recalibration]
 
 The shipped draft decodes each prompt greedily (float32, 128 new tokens) once per variant of the scheduler:
-``off`` (the paper's: the head's STS-calibrated confidences alone), ``on`` (``hf_dspark.recalibration`` with its
-defaults), ``on:prior=P,decay=D`` (other settings; ``explore=N``, a call's first N drafted rounds verifying their
-whole block, was measured at commit 5e6d716 and removed: results/recalibration/README.md). ``--lookup N``:
+``off`` (the paper's: the head's STS-calibrated confidences alone), ``on``
+(``hf_dspark.scheduling.recalibration`` with its defaults), ``on:prior=P,decay=D`` (other settings; ``explore=N``, a
+call's first N drafted rounds verifying their whole block, was measured at commit 5e6d716 and removed:
+results/recalibration/README.md). ``--lookup N``:
 lookup drafting over n-grams of N..2 tokens as shipped (0: the draft alone). Every variant's output must equal
 the first's (greedy float32 is exact).
 
@@ -39,13 +40,14 @@ import torch
 
 import hf_dspark
 from benchmarks.lookup_length import held_out_texts
-from hf_dspark import DSparkDraftModel, generation
+from hf_dspark import DSparkDraftModel
 from hf_dspark.__main__ import SAMPLE_PROMPTS
-from hf_dspark.costs import measured_draft_seconds, round_prices
+from hf_dspark.decoding import loop
 from hf_dspark.embedded import DRAFT_DIR, load_target
 from hf_dspark.evaluation.evaluate import load_prompts
-from hf_dspark.recalibration import AcceptanceRecalibration
-from hf_dspark.scheduler import SPSProfile
+from hf_dspark.scheduling.costs import measured_draft_seconds, round_prices
+from hf_dspark.scheduling.policy import SPSProfile
+from hf_dspark.scheduling.recalibration import AcceptanceRecalibration
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,21 +69,21 @@ def parse_variant(spec: str) -> tuple[bool, dict]:
 def priced_call(target, draft, ids, recalibrate: bool, kwargs: dict, sps: SPSProfile, draft_s: float, new: int):
     """One greedy DSpark call under a recalibration variant -> (output ids, priced seconds, committed, rounds)."""
     ran_draft = []
-    original = generation.draft_block
+    original = loop.draft_block
 
     def counting(draft_, context, histories, anchors, max_tokens, *args, **kw):
         ran_draft.append(max_tokens > 0)
         return original(draft_, context, histories, anchors, max_tokens, *args, **kw)
 
-    generation.draft_block = counting
-    generation.AcceptanceRecalibration = functools.partial(AcceptanceRecalibration, **kwargs)
+    loop.draft_block = counting
+    loop.AcceptanceRecalibration = functools.partial(AcceptanceRecalibration, **kwargs)
     try:
         out = target.generate(
             ids, custom_generate=hf_dspark.dspark_generate, draft=draft, confidence_recalibration=recalibrate,
             max_new_tokens=new, do_sample=False,
         )  # fmt: skip
     finally:
-        generation.draft_block, generation.AcceptanceRecalibration = original, AcceptanceRecalibration
+        loop.draft_block, loop.AcceptanceRecalibration = original, AcceptanceRecalibration
     stats = draft.stats
     widths = [1 + lengths[0] for lengths in stats.verify_rounds]
     seconds = sum(1 / sps(w) for w in widths) + draft_s * sum(ran_draft)

@@ -21,7 +21,7 @@ import torch
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.embedded import DRAFT_DIR, load_target
-from hf_dspark.sts import OBJECTIVES, calibration_report, sequential_temperature_scaling
+from hf_dspark.model.sts import OBJECTIVES, calibration_report, sequential_temperature_scaling
 from hf_dspark.training.calibrate import collect_decode_confidence
 from recipes.smollm2_ship import held_out_prompts
 

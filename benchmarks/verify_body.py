@@ -2,8 +2,8 @@
 
     python -m benchmarks.verify_body [--threads 2] [--out benchmarks/results/verify_head]
 
-``hf_dspark/lm_head.py`` computes the verify's LM head as ``W @ hᵀ`` where that pays, because F.linear's small-M
-GEMM path cost 2-3x a one-row product there. This asks whether the same re-routing would pay for the decoder
+``hf_dspark/decoding/lm_head.py`` computes the verify's LM head as ``W @ hᵀ`` where that pays, because F.linear's
+small-M GEMM path cost 2-3x a one-row product there. This asks whether the same re-routing would pay for the decoder
 layers' projections: each distinct weight shape of the embedded target's first layer (q/o, k/v, gate/up, down) and
 the head, at 1..17 rows, both orientations (``verify_head.matmul_table``: median of 20), and what one layer's
 seven projections and the head add up to per step at each row count. Writes ``<out>/verify_body.json``.

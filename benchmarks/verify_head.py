@@ -1,4 +1,5 @@
-"""The verify's LM head in F.linear's orientation against the transposed one (``hf_dspark/lm_head.py``), side by side.
+"""The verify's LM head in F.linear's orientation against the transposed one, side by side
+(``hf_dspark/decoding/lm_head.py``).
 
     python -m benchmarks.verify_head [--datasets humaneval gsm8k mt-bench] [--limit 10] [--threads 2]
         [--out benchmarks/results/verify_head]
@@ -21,10 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hf_dspark import DSparkDraftModel, lm_head
-from hf_dspark.costs import measure_sps, time_verify_steps
+from hf_dspark import DSparkDraftModel
+from hf_dspark.decoding import lm_head
 from hf_dspark.embedded import DRAFT_DIR, fast_dtype, load_target
 from hf_dspark.evaluation.bench import Method, bench, markdown_table
+from hf_dspark.scheduling.costs import measure_sps, time_verify_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from . import embedded
-from .costs import CACHE_DIR
 from .evaluation.bench import warm_up
 from .evaluation.ties import first_divergence, upcast_copy
-from .integration import dspark_generate
-from .modeling_dspark import DSparkDraftModel
+from .integration.generate import dspark_generate
+from .model.modeling_dspark import DSparkDraftModel
+from .scheduling.costs import CACHE_DIR
 
 SAMPLE_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",

@@ -36,7 +36,7 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
     """Render the card for the draft in ``draft_dir``. Reads the draft (its config and decoding settings) and, when
     present, ``eval.json``, ``bench.json`` and ``training.json`` (``{"command", "data", "steps", "target weights",
     ...}``) from the same folder."""
-    from .modeling_dspark import DSparkDraftModel
+    from .model.modeling_dspark import DSparkDraftModel
 
     folder = Path(draft_dir)
     draft = DSparkDraftModel.from_pretrained(folder)

@@ -26,7 +26,7 @@ def resolve_dtype(name: str, draft_folder: str | Path | None = None) -> str:
     if name != "auto":
         return name
     if draft_folder is not None:
-        from .checkpoint_files import read_config
+        from .compat.checkpoint_files import read_config
 
         raw = read_config(Path(draft_folder))
         stored = raw.get("dtype") or raw.get("torch_dtype")
@@ -78,7 +78,7 @@ def positive_float(text: str) -> float:
 def check_target(spec: str) -> None:
     """The target exists before anything loads: the embedded GGUF is installed, a local folder has a config.json;
     a Hub id is left to transformers."""
-    from .checkpoint_files import looks_like_path, read_config
+    from .compat.checkpoint_files import looks_like_path, read_config
 
     if spec == "embedded":
         from .embedded import gguf_path
@@ -94,7 +94,7 @@ def check_target(spec: str) -> None:
 
 def check_draft(spec: str | Path) -> Path:
     """A draft argument (a folder or Hub id) checked to hold a readable checkpoint; returns its local folder."""
-    from .checkpoint_files import check_weight_files, checkpoint_folder, read_config
+    from .compat.checkpoint_files import check_weight_files, checkpoint_folder, read_config
 
     folder = checkpoint_folder(spec)
     read_config(folder)
@@ -159,7 +159,7 @@ def cmd_prepare(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from .modeling_dspark import DSparkDraftModel
+    from .model.modeling_dspark import DSparkDraftModel
     from .training.data import frequent_tokens, load_dataset
     from .training.losses import LossWeights
     from .training.trainer import TrainConfig, saved_vocab, train
@@ -237,7 +237,7 @@ def _write_results(out: Path, name: str, results: list[dict], table: str) -> Non
 def load_draft_for(folder: Path, target):
     """The draft in ``folder`` (any layout ``from_pretrained`` reads) in the target's dtype, attached to it; the
     target names the vocabulary, which transformers' native drafters do not record."""
-    from .modeling_dspark import DSparkDraftModel
+    from .model.modeling_dspark import DSparkDraftModel
 
     vocab = target.config.get_text_config().vocab_size
     return DSparkDraftModel.from_pretrained(folder, dtype=target.dtype, target_vocab_size=vocab).attach(target)
@@ -322,7 +322,7 @@ def cmd_push(args) -> None:
     from huggingface_hub import HfApi
 
     from .cards import write_card
-    from .hub_generate import FOLDER, write_custom_generate
+    from .integration.hub_generate import FOLDER, write_custom_generate
 
     folder = Path(args.draft)
     if not folder.is_dir():
@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import __version__
     from .compat import FORMATS, exportable
-    from .decoding_config import VERIFY_MODES
+    from .decoding.config import VERIFY_MODES
 
     ap = argparse.ArgumentParser(
         prog="hf-dspark",

@@ -72,7 +72,7 @@ def load(dtype: torch.dtype = torch.float32):
 
     Raises ``FileNotFoundError`` when no trained draft ships with this copy of the package.
     """
-    from .modeling_dspark import DSparkDraftModel
+    from .model.modeling_dspark import DSparkDraftModel
 
     if not has_shipped_draft():
         raise FileNotFoundError(f"No trained draft ships in {DRAFT_DIR} yet (see the training issue / README).")

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from hf_dspark import DSparkDraftModel, dspark_generate
+from hf_dspark.decoding.stats import DSparkStats
 from hf_dspark.embedded import load_target
-from hf_dspark.stats import DSparkStats
 from hf_dspark.training.data import frequent_tokens, left_pad, load_dataset
 from recipes.smollm2_prepare import ANSWERS
 from recipes.smollm2_ship import held_out_prompts, load_run

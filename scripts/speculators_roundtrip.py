@@ -25,7 +25,7 @@ from speculators.models.dspark import DSparkDraftModel as TheirDSpark
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.compat import export_speculators
-from hf_dspark.drafting import target_features
+from hf_dspark.decoding.drafting import target_features
 from hf_dspark.embedded import load_target
 from recipes.smollm2_ship import held_out_prompts
 from scripts.testing.speculators_check import compare, eager, ours_block, theirs_block

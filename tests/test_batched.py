@@ -6,9 +6,9 @@ from helpers import PAD, PROMPTS, left_pad
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_dspark import DSparkDraftModel
-from hf_dspark.scheduler import SPSProfile
+from hf_dspark.integration.versions import CACHE_FIELD
+from hf_dspark.scheduling.policy import SPSProfile
 from hf_dspark.testing import tiny_target
-from hf_dspark.versions import CACHE_FIELD
 
 
 def new_tokens(row, eos):
@@ -82,8 +82,8 @@ def test_finished_rows_leave_the_batch(mode, monkeypatch):
     """A row that finishes is dropped from the target's and the draft's caches: later rounds draft and verify only
     the rows still running, every row still equals its own plain greedy output, and (scheduled, no user profile)
     the SPS profile follows the shrinking batch in power-of-two sizes."""
-    from hf_dspark import costs
-    from hf_dspark.scheduler import SPSProfile
+    from hf_dspark.scheduling import costs
+    from hf_dspark.scheduling.policy import SPSProfile
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
@@ -142,7 +142,7 @@ def test_return_dict_keeps_every_row_in_the_returned_cache():
 
 
 def test_profile_rows_rounds_up_to_a_power_of_two_within_the_batch():
-    from hf_dspark.generation import profile_rows
+    from hf_dspark.decoding.loop import profile_rows
 
     assert [profile_rows(n, 16) for n in (16, 15, 9, 8, 5, 3, 2, 1)] == [16, 16, 16, 8, 8, 4, 2, 1]
     assert [profile_rows(n, 12) for n in (11, 9, 7)] == [12, 12, 8]
@@ -254,7 +254,7 @@ def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
     scripted_draft(draft, refs, lambda r, k: k < draft.config.draft_offset + 2)  # right for 2 tokens, then wrong
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    runs, real = {}, (bench.generation.draft_block, bench.generation.choose_lengths)
+    runs, real = {}, (bench.loop.draft_block, bench.loop.choose_lengths)
     diverged = set()
     for name in ("fixed", "oracle"):
         draft.decoding.verify_mode, draft.decoding.verify_limit = "fixed", None
@@ -271,4 +271,4 @@ def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
     with bench.hindsight(wrong, diverged):
         out = target.generate(ids, **kw)
     assert out.tolist() == plain.tolist() and diverged == {1}
-    assert (bench.generation.draft_block, bench.generation.choose_lengths) == real  # the loop is restored
+    assert (bench.loop.draft_block, bench.loop.choose_lengths) == real  # the loop is restored

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hf_dspark.sts import (
+from hf_dspark.model.sts import (
     DEFAULT_GRID,
     calibration_report,
     ece,
@@ -93,7 +93,7 @@ def test_reliability_bins_by_hand():
 
 def test_confidence_is_float32_in_a_bfloat16_draft():
     """σ(7) = 0.99909 rounds to exactly 1.0 in bfloat16; the scheduler and decode calibration need it below 1."""
-    from hf_dspark.heads import ConfidenceHead
+    from hf_dspark.model.heads import ConfidenceHead
 
     c = ConfidenceHead.calibrated(torch.tensor([7.0, -3.0], dtype=torch.bfloat16), None)
     assert c.dtype == torch.float32

@@ -9,9 +9,9 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_dspark
 from hf_dspark import DSparkDraftModel, dspark_generate
-from hf_dspark.scheduler import SPSProfile
+from hf_dspark.integration.versions import CACHE_FIELD
+from hf_dspark.scheduling.policy import SPSProfile
 from hf_dspark.testing import tiny_target
-from hf_dspark.versions import CACHE_FIELD
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStr
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dspark
-from hf_dspark import DSparkDraftModel, costs, drafting, generation
+from hf_dspark import DSparkDraftModel
+from hf_dspark.decoding import drafting, loop
+from hf_dspark.scheduling import costs
 from hf_dspark.testing import tiny_target
 
 
@@ -282,14 +284,14 @@ def test_draft_context_is_extended_only_with_new_positions(monkeypatch):
 
 def test_rounds_that_do_not_draft_queue_their_context_for_the_next_drafted_block(monkeypatch):
     """Back-off rounds project nothing; the next drafted block projects every slot committed since, in one call."""
-    from hf_dspark.scheduler import SPSProfile
+    from hf_dspark.scheduling.policy import SPSProfile
 
     target = tiny_target("llama", dtype=torch.float64)
     ids = _prompt(12)
     draft = DSparkDraftModel.from_target(target, block_size=4).double()
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0)  # verifying is free: every drafted round verifies all
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
-    monkeypatch.setattr(generation, "drafting_pays", lambda *args: False)  # back off after every drafted round
+    monkeypatch.setattr(loop, "drafting_pays", lambda *args: False)  # back off after every drafted round
     projected = []
     original = draft.fused_key_values
     monkeypatch.setattr(draft, "fused_key_values", lambda f, p: projected.append(f.shape[1]) or original(f, p))
@@ -307,7 +309,7 @@ def test_rounds_that_do_not_draft_queue_their_context_for_the_next_drafted_block
 def test_head_switched_off_proposes_from_the_backbone_alone():
     from transformers.generation import LogitsProcessorList
 
-    from hf_dspark.drafting import DraftContext, draft_block
+    from hf_dspark.decoding.drafting import DraftContext, draft_block
 
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
@@ -347,8 +349,8 @@ def test_scheduler_backs_off_drafting_when_it_does_not_pay(case, monkeypatch):
     draft token is verified; or a draft block that costs more than a whole verify step, so even verified tokens
     lose), the loop skips the draft for 1, 2, 4, … rounds (plain decode steps). The output is plain greedy either
     way; with a flat profile and a free draft every round drafts."""
-    from hf_dspark.generation import MAX_BACKOFF
-    from hf_dspark.scheduler import SPSProfile
+    from hf_dspark.decoding.loop import MAX_BACKOFF
+    from hf_dspark.scheduling.policy import SPSProfile
 
     steep, cost = {"free": (False, 0.0), "steep": (True, 0.0), "costly-draft": (False, 10.0)}[case]
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: cost)
@@ -389,7 +391,7 @@ def test_greedy_drafting_inside_the_draft_vocabulary_equals_the_full_path(head, 
     it must propose exactly what the -inf-padded full-vocabulary path proposes, with the same confidences."""
     from transformers.generation import LogitsProcessor, LogitsProcessorList
 
-    from hf_dspark.drafting import DraftContext, draft_block
+    from hf_dspark.decoding.drafting import DraftContext, draft_block
 
     calls = []
     real = drafting._subset_slot
@@ -427,7 +429,7 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
     each block ends one slot past the longest verified prefix (the column that failed), its tokens and confidences
     are those of the whole block, the plan is the one the whole block's confidences give, and the output is plain
     greedy's."""
-    from hf_dspark.scheduler import SPSProfile
+    from hf_dspark.scheduling.policy import SPSProfile
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8).double()
@@ -437,7 +439,7 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
     with torch.no_grad():  # confidences spread over (0, 1), so plans end at different slots
         draft.confidence.confidence_head.weight.normal_(0, 0.3)
     blocks = []
-    real = generation.draft_block
+    real = loop.draft_block
 
     def spy(*args):
         planner = args[7]
@@ -450,7 +452,7 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
         blocks.append((args[4], proposal, whole, whole_plan.lengths))
         return proposal
 
-    monkeypatch.setattr(generation, "draft_block", spy)
+    monkeypatch.setattr(loop, "draft_block", spy)
     ids = torch.tensor([[5, 6, 7, 8], [9, 3, 4, 40], [70, 2, 11, 12]][:rows])
     kw = dict(max_new_tokens=24, do_sample=False)
     out = target.generate(ids, assistant_model=draft, **kw)

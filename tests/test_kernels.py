@@ -166,7 +166,7 @@ def test_bad_input_raises_before_launch(edit, error, message):
     ],
 )
 def test_greedy_generation_through_kernels_equals_torch_path(head, vocab, head_vocab, monkeypatch):
-    import hf_dspark.kernel_dispatch
+    import hf_dspark.model.kernel_dispatch
 
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8)
@@ -180,8 +180,10 @@ def test_greedy_generation_through_kernels_equals_torch_path(head, vocab, head_v
     torch_stats = draft.stats
     monkeypatch.setenv("HF_DSPARK_KERNELS", "triton")
     calls = []
-    original = hf_dspark.kernel_dispatch.fused_head_step
-    monkeypatch.setattr("hf_dspark.drafting.fused_head_step", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = hf_dspark.model.kernel_dispatch.fused_head_step
+    monkeypatch.setattr(
+        "hf_dspark.decoding.drafting.fused_head_step", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
     kernel_out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=draft)
     assert calls, "the kernel path was not taken"
     assert (
@@ -193,7 +195,7 @@ def test_greedy_generation_through_kernels_equals_torch_path(head, vocab, head_v
 
 
 def test_backend_switch_is_validated(monkeypatch):
-    from hf_dspark.kernel_dispatch import backend
+    from hf_dspark.model.kernel_dispatch import backend
 
     monkeypatch.setenv("HF_DSPARK_KERNELS", "cuda-please")
     with pytest.raises(ValueError, match="HF_DSPARK_KERNELS must be one of"):
@@ -215,7 +217,7 @@ def test_rank_and_hidden_larger_than_one_chunk():
 def test_auto_backend_keeps_the_kernel_for_few_rows(monkeypatch):
     """auto: CUDA tensors of at most AUTO_MAX_ROWS rows take the fused step (it reads W2 once per row, so more rows
     are faster on the PyTorch path); a forced backend ignores the row count; CPU tensors never take it under auto."""
-    from hf_dspark.kernel_dispatch import AUTO_MAX_ROWS, use_kernels
+    from hf_dspark.model.kernel_dispatch import AUTO_MAX_ROWS, use_kernels
 
     draft = DSparkDraftModel.from_target(tiny_target(), block_size=4, num_draft_layers=1, head_rank=8)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -230,12 +232,12 @@ def test_auto_backend_keeps_the_kernel_for_few_rows(monkeypatch):
 
 
 def test_a_head_added_from_outside_runs_through_drafting_kernels_and_exports_by_name(monkeypatch, tmp_path):
-    """What a contributor writes for a new sequential head: one LowRankHead subclass in hf_dspark.heads.HEADS.
+    """What a contributor writes for a new sequential head: one LowRankHead subclass in hf_dspark.model.heads.HEADS.
     Drafting, the fused kernel (through the public interface) and the checkpoint formats take it as it is."""
     from torch import nn
 
     from hf_dspark.compat import export_speculators
-    from hf_dspark.heads import HEADS, LowRankHead
+    from hf_dspark.model.heads import HEADS, LowRankHead
 
     class TanhHead(LowRankHead):  # code = tanh(W1[x_{k-1}] + P h_k)
         def __init__(self, vocab_size, hidden_size, rank, out_rows=None):

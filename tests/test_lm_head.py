@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_dspark import DSparkDraftModel, lm_head
-from hf_dspark.lm_head import MAX_ROWS, few_rows_linear, head_orientation, transposed_pays, verify_head
+from hf_dspark import DSparkDraftModel
+from hf_dspark.decoding import lm_head
+from hf_dspark.decoding.lm_head import MAX_ROWS, few_rows_linear, head_orientation, transposed_pays, verify_head
 from hf_dspark.testing import tiny_target
 
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 from helpers import CASES, PAD, PROMPTS, chi_square_pvalue, exact_distribution, left_pad, processors, sample_counts
 
-from hf_dspark import DecodingConfig, DSparkConfig, DSparkDraftModel, verify
-from hf_dspark.lookup import lookup_continuation, one_hot_probs
-from hf_dspark.scheduler import SPSProfile
+from hf_dspark import DecodingConfig, DSparkConfig, DSparkDraftModel
+from hf_dspark.decoding import verify
+from hf_dspark.decoding.lookup import lookup_continuation, one_hot_probs
+from hf_dspark.scheduling.policy import SPSProfile
 from hf_dspark.testing import tiny_target
 
 
@@ -178,8 +179,8 @@ def test_adaptive_lookups_grow_while_accepted_in_full_and_stay_exact(mode):
 def test_adaptive_lookup_width_rule():
     """The width rule on its own: a short continuation accepted whole earns twice its length but never less than
     γ, a long one at most ``lookup_max_tokens``, and one cut short goes back to γ (``None``)."""
-    from hf_dspark.drafting import Proposal
-    from hf_dspark.generation import RoundPlan, Schedule
+    from hf_dspark.decoding.drafting import Proposal
+    from hf_dspark.decoding.loop import RoundPlan, Schedule
 
     draft = DSparkDraftModel.from_target(tiny_target(), block_size=4, head_rank=8)
     draft.decoding.lookup_max_tokens, draft.decoding.lookup_adaptive = 12, True
@@ -204,20 +205,20 @@ def test_adaptive_lookup_width_rule():
 
 
 def test_a_round_where_every_row_looks_up_does_not_draft(monkeypatch):
-    import hf_dspark.generation as generation
+    from hf_dspark.decoding import loop
 
     target = tiny_target(dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.decoding.verify_mode = "fixed"
     draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 2, 1
     drafted = []
-    original = generation.draft_block
+    original = loop.draft_block
 
     def spy(draft_, context, histories, anchor_positions, max_tokens, *args, **kwargs):
         drafted.append(max_tokens)
         return original(draft_, context, histories, anchor_positions, max_tokens, *args, **kwargs)
 
-    monkeypatch.setattr(generation, "draft_block", spy)
+    monkeypatch.setattr(loop, "draft_block", spy)
     target.generate(REPEATING, max_new_tokens=30, do_sample=False, assistant_model=draft)
     stats = draft.stats
     # one draft_block call per round, asked for nothing when the row looked up, else for what it verifies (fixed)
@@ -283,10 +284,10 @@ def test_sampling_with_lookup_matches_target_distribution(small_vocab_target):
 
 def test_sampling_test_sees_a_lookup_accepted_without_the_ratio_test(small_vocab_target, monkeypatch):
     """Treating a looked-up token as always accepted (q = p, no test) is caught by the same check."""
-    import hf_dspark.generation as generation
+    from hf_dspark.decoding import loop
 
     # a looked-up row then reaches the acceptance rule with q = None, and the broken rule accepts it untested
-    monkeypatch.setattr(generation, "one_hot_probs", lambda tokens, vocab: None)
+    monkeypatch.setattr(loop, "one_hot_probs", lambda tokens, vocab: None)
     original = verify.rejection_sample
 
     def lenient(draft_tokens, draft_probs, target_probs, generator=None):

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 
 from hf_dspark import DSparkConfig, DSparkDraftModel
-from hf_dspark.heads import soft_acceptance_label
+from hf_dspark.model.heads import soft_acceptance_label
 from hf_dspark.testing import tiny_target
 
 
@@ -310,7 +310,7 @@ def test_a_head_storing_draft_vocabulary_rows_proposes_the_same_and_saves_smalle
     changing the vocabulary keeps the shared rows and 'full' brings the dropped ones back as zeros."""
     from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
-    from hf_dspark.drafting import DraftContext, draft_block
+    from hf_dspark.decoding.drafting import DraftContext, draft_block
 
     target = tiny_target("llama", dtype=torch.float64)
     full = _perturbed_draft(target, head_type=head).double()

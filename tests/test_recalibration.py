@@ -1,11 +1,13 @@
-"""Per-call recalibration of the confidence head (hf_dspark/recalibration.py) and its use by the scheduler."""
+"""Per-call recalibration of the confidence head (hf_dspark/scheduling/recalibration.py) and its use by the
+scheduler."""
 
 import pytest
 import torch
 
-from hf_dspark import DSparkDraftModel, costs, dspark_generate
-from hf_dspark.recalibration import AcceptanceRecalibration
-from hf_dspark.scheduler import ColumnPlan, SPSProfile, choose_lengths, drafting_pays
+from hf_dspark import DSparkDraftModel, dspark_generate
+from hf_dspark.scheduling import costs
+from hf_dspark.scheduling.policy import ColumnPlan, SPSProfile, choose_lengths, drafting_pays
+from hf_dspark.scheduling.recalibration import AcceptanceRecalibration
 from hf_dspark.testing import tiny_target
 
 # a float32 CPU's shape: one token is cheap, 2..9 tokens cost about 1.4-1.8 plain steps (SmolLM2, 2 cores)

@@ -10,7 +10,7 @@ import torch
 from helpers import ALPHA, CASES, VOCAB, chi_square_pvalue, exact_distribution, processors, sample_counts
 
 import hf_dspark
-import hf_dspark.generation
+import hf_dspark.decoding.loop
 from hf_dspark import DSparkDraftModel
 from hf_dspark.testing import tiny_target
 
@@ -49,7 +49,7 @@ def test_sampling_matches_target_distribution(target, head, case):
 
 @pytest.mark.parametrize("mode", ["scheduled", "async", "threshold"])
 def test_sampling_is_lossless_with_confidence_scheduled_verification(target, mode):
-    from hf_dspark.scheduler import SPSProfile
+    from hf_dspark.scheduling.policy import SPSProfile
 
     kw = CASES["top-k-top-p"]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
@@ -73,7 +73,7 @@ def test_broken_acceptance_rule_is_detected(target, monkeypatch):
         n = draft_tokens.shape[0]
         return n, torch.multinomial(target_probs[n], 1)[0]
 
-    monkeypatch.setattr(hf_dspark.verify, "rejection_sample", accept_all)
+    monkeypatch.setattr(hf_dspark.decoding.verify, "rejection_sample", accept_all)
     kw = CASES["temperature"]
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
     draft.decoding.verify_mode = "fixed"
@@ -93,7 +93,7 @@ def test_sampling_is_lossless_with_a_draft_vocabulary(target, monkeypatch):
         draft.sequential_head.markov_w2.weight.normal_(0, 2.0)
     draft.set_draft_vocab([3, 0, 2])
     proposed = set()
-    original = hf_dspark.generation.draft_block
+    original = hf_dspark.decoding.loop.draft_block
 
     def spy(*args, **kwargs):
         proposal = original(*args, **kwargs)
@@ -102,7 +102,7 @@ def test_sampling_is_lossless_with_a_draft_vocabulary(target, monkeypatch):
             assert proposal.probs[..., [1, 4, 5]].abs().max() == 0  # q is exactly zero outside the subset
         return proposal
 
-    monkeypatch.setattr(hf_dspark.generation, "draft_block", spy)
+    monkeypatch.setattr(hf_dspark.decoding.loop, "draft_block", spy)
     probs = exact_distribution(target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw)
     assert proposed <= {0, 2, 3} and len(proposed) > 1

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import hf_dspark
-from hf_dspark import DSparkConfig, costs
-from hf_dspark.generation import choose_lengths
-from hf_dspark.scheduler import (
+from hf_dspark import DSparkConfig
+from hf_dspark.decoding.loop import choose_lengths
+from hf_dspark.scheduling import costs
+from hf_dspark.scheduling.policy import (
     ColumnPlan,
     SPSProfile,
     fill_top_k,
@@ -387,7 +388,7 @@ def test_plus_seconds_prices_a_round_with_its_draft():
 
 
 def test_drafting_pays_by_hand():
-    from hf_dspark.scheduler import drafting_pays
+    from hf_dspark.scheduling.policy import drafting_pays
 
     flat = SPSProfile.from_callable(lambda B: 10.0)  # a verify step takes 0.1 s whatever its size
     conf = torch.tensor([[0.5, 0.5]])  # expected tokens verifying both: 1 + 0.5 + 0.25 = 1.75
@@ -442,7 +443,7 @@ def test_draft_seconds_is_measured_once_per_batch_size():
 
 
 def test_tree_node_choice_is_a_function_of_numbers():
-    from hf_dspark.scheduler import choose_tree_nodes
+    from hf_dspark.scheduling.policy import choose_tree_nodes
 
     values = [0.9, 0.8, 0.5, 0.2, 0.05]  # ranked: most valuable first, each node's parent before it
     assert choose_tree_nodes("fixed", values, None, 0.5) == (5, True)

@@ -192,7 +192,7 @@ def test_from_pretrained_passes_download_options_to_the_layout_probe(monkeypatch
         return str(tmp_path / "snap")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    from hf_dspark.modeling_dspark import DSparkDraftModel as Model
+    from hf_dspark.model.modeling_dspark import DSparkDraftModel as Model
 
     assert (
         Model._foreign_layout(

@@ -444,7 +444,7 @@ def test_feature_cache_gives_the_same_training_as_online(setup, tmp_path):
 def test_soft_label_over_a_draft_vocabulary_is_the_exact_acceptance_probability(setup):
     """With target mass outside the draft vocabulary, the loss's soft label (1 - ½‖p_d - p_t‖₁ over the whole
     vocabulary, from one pass) equals Σ min(p_d, p_t) over the columns, the acceptance probability."""
-    from hf_dspark.heads import soft_acceptance_label
+    from hf_dspark.model.heads import soft_acceptance_label
     from hf_dspark.training.losses import LossWeights, block_losses
 
     target, rows = setup
@@ -510,7 +510,7 @@ def test_training_forward_matches_the_decoding_forward(setup, head, draft_vocab)
     (over the draft vocabulary, when decoding uses one and training is given the same ids)."""
     from transformers import LogitsProcessorList
 
-    from hf_dspark.drafting import DraftContext, draft_block, target_features
+    from hf_dspark.decoding.drafting import DraftContext, draft_block, target_features
 
     target, rows = setup
     torch.manual_seed(4)

@@ -6,7 +6,8 @@ import torch
 from helpers import ALPHA, CASES, VOCAB, chi_square_pvalue, exact_distribution, processors, sample_counts
 from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from hf_dspark import DSparkDraftModel, generation
+from hf_dspark import DSparkDraftModel
+from hf_dspark.decoding import loop
 from hf_dspark.testing import tiny_target
 
 
@@ -77,7 +78,7 @@ def test_tree_sampling_is_exact_when_the_drafts_children_miss_the_targets_mass(s
 def test_a_walk_that_favours_the_top_child_is_detected(small_target, monkeypatch):
     """Guard: descending into the draft's first child whenever the target's choice is any child (a plausible
     bug) changes the distribution, and the chi-square test sees it."""
-    real_walk = generation.walk
+    real_walk = loop.walk
 
     def biased(verified, raw, history, procs, do_sample):
         result = real_walk(verified, raw, history, procs, do_sample)
@@ -86,7 +87,7 @@ def test_a_walk_that_favours_the_top_child_is_detected(small_target, monkeypatch
             return type(result)([first], result.next_token, result.scores[:2])
         return result
 
-    monkeypatch.setattr(generation, "walk", biased)
+    monkeypatch.setattr(loop, "walk", biased)
     kw = CASES["temperature"]
     draft = _sampling_draft(small_target)
     probs = exact_distribution(small_target, processors(kw["temperature"]))

@@ -7,9 +7,10 @@ from transformers import MistralConfig, MistralForCausalLM
 from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 import hf_dspark
-from hf_dspark import DSparkConfig, DSparkDraftModel, checks
+from hf_dspark import DSparkConfig, DSparkDraftModel
+from hf_dspark.decoding import checks
+from hf_dspark.decoding.tree import TokenTree, VerifiedTree, walk
 from hf_dspark.testing import tiny_target
-from hf_dspark.tree import TokenTree, VerifiedTree, walk
 
 
 def _tree() -> TokenTree:
@@ -124,7 +125,7 @@ def _tree_generate(target, draft, ids, **kw):
     ],
 )  # pairwise over (arch, head, mode)
 def test_tree_greedy_matches_plain_generate(arch, head, mode):
-    from hf_dspark.scheduler import SPSProfile
+    from hf_dspark.scheduling.policy import SPSProfile
 
     target = tiny_target(arch)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8)
@@ -321,8 +322,8 @@ def test_a_draft_vocabulary_gives_the_same_tree_without_the_full_vocabulary(head
     over its rows only): the same nodes, values and tokens as the full-vocabulary path, which processors take."""
     from transformers.generation import LogitsProcessor
 
-    from hf_dspark.drafting import DraftContext
-    from hf_dspark.proposers import DraftTreeProposer, TreeRequest
+    from hf_dspark.decoding.drafting import DraftContext
+    from hf_dspark.decoding.proposers import DraftTreeProposer, TreeRequest
 
     class Identity(LogitsProcessor):
         def __call__(self, input_ids, scores):

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..configuration_dspark import DSparkConfig
+from ..model.configuration_dspark import DSparkConfig
 
 TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the draft borrows the target's own at use time
 

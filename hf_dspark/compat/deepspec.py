@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..configuration_dspark import DSparkConfig
+from ..model.configuration_dspark import DSparkConfig
 from .common import TARGET_COPIES, load_mapped, qwen3_backbone, read_weights, rename_keys
 from .registry import CheckpointFormat, ExportNote, register
 

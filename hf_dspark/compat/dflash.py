@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_dspark import DSparkConfig
+from ..model.configuration_dspark import DSparkConfig
 from .common import TARGET_COPIES, load_mapped, qwen3_backbone, read_weights
 from .registry import CheckpointFormat, register
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_dspark import DSparkConfig
+from ..model.configuration_dspark import DSparkConfig
 from .common import load_mapped, read_weights, rename_keys
 from .registry import CheckpointFormat, register
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint_files import looks_like_path
-from ..configuration_dspark import DSparkConfig
-from ..decoding_config import DecodingConfig
+from ..decoding.config import DecodingConfig
+from ..model.configuration_dspark import DSparkConfig
+from .checkpoint_files import looks_like_path
 from .common import TARGET_COPIES, load_mapped, read_weights, rename_keys
 from .registry import CheckpointFormat, register
 

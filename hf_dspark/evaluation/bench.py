@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..costs import measure_sps
-from ..decoding_config import resolve_mode
-from ..integration import dspark_generate
+from ..decoding.config import resolve_mode
+from ..integration.generate import dspark_generate
+from ..scheduling.costs import measure_sps
 from .evaluate import load_prompts, run_context
 from .ties import first_divergence, upcast_copy
 
@@ -150,7 +150,7 @@ def warm_up(target, draft, input_ids: torch.Tensor) -> tuple[str, float, float]:
     """Pay the one-time costs before anything is timed: the SPS profile and draft cost the scheduler plans with
     (measured, or loaded from the disk cache) and a first short greedy call of plain and of DSpark ``generate``
     on ``input_ids`` ([1, T]). Returns ("measured" | "loaded", seconds for the profile, seconds for the calls)."""
-    from ..costs import CACHE_DIR
+    from ..scheduling.costs import CACHE_DIR
 
     start, t0 = time.time(), time.perf_counter()
     measure_sps(draft, 1)

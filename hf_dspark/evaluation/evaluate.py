@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..integration import dspark_generate
-from ..stats import DSparkStats
+from ..decoding.stats import DSparkStats
+from ..integration.generate import dspark_generate
 
 DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..integration import dspark_generate
-from ..modeling_dspark import DSparkDraftModel
-from ..sts import OBJECTIVES, calibration_report, reliability_plot, sequential_temperature_scaling
+from ..integration.generate import dspark_generate
+from ..model.modeling_dspark import DSparkDraftModel
+from ..model.sts import OBJECTIVES, calibration_report, reliability_plot, sequential_temperature_scaling
 from .data import left_pad
 from .features import target_outputs
 from .losses import block_predictions
@@ -118,7 +118,7 @@ def calibrate_draft(
 
     ``source="decode"`` runs the draft in the target's dtype, as deployed, and decodes ``rows``' prompts greedily, up to
     ``max_new_tokens`` each, until ``blocks`` full blocks are verified (see :func:`collect_decode_confidence`).
-    ``objective`` is what each temperature minimises: "ece" (the paper's) or "brier" (see :mod:`hf_dspark.sts`).
+    ``objective`` is what each temperature minimises: "ece" (the paper's) or "brier" (see :mod:`hf_dspark.model.sts`).
     """
     if source not in ("teacher-forced", "decode"):
         raise ValueError(f"source must be 'teacher-forced' or 'decode', got {source!r}")

@@ -272,7 +272,7 @@ def regenerate(
     eos = tokenizer.eos_token_id
     dspark = {}
     if draft is not None:
-        from ..integration import dspark_generate
+        from ..integration.generate import dspark_generate
 
         dspark = {"custom_generate": dspark_generate, "draft": draft}
     bar = tqdm(total=len(todo), disable=not progress, desc="regenerate", unit="prompt")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..modeling_dspark import DSparkDraftModel
+from ..model.modeling_dspark import DSparkDraftModel
 from .features import target_statistics
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling_dspark import DSparkDraftModel
+from ..model.modeling_dspark import DSparkDraftModel
 from .features import FeatureCache, target_outputs
 from .losses import DSparkTrainingModule, LossWeights
 

@@ -24,20 +24,20 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from ..integration.versions import CACHE_FIELD, cache_argument, cache_from, takes_logits_to_keep
+from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.costs import profile_rows, round_prices, sps_profile, tree_draft_seconds
+from ..scheduling.policy import ColumnPlan, SPSProfile, choose_lengths, choose_tree_nodes, column_plan, drafting_pays
+from ..scheduling.recalibration import AcceptanceRecalibration
 from .checks import check_cache, check_finite, check_supported, keep_cache_slots, sliding_window, tree_refusal
-from .costs import profile_rows, round_prices, sps_profile, tree_draft_seconds
-from .decoding_config import DecodingConfig
+from .config import DecodingConfig
 from .drafting import DraftContext, LayerTap, Proposal, draft_block
 from .lm_head import verify_head
 from .lookup import lookups, one_hot_probs
-from .modeling_dspark import DSparkDraftModel
 from .proposers import LookupProposer, TreeRequest, propose_tree, tree_proposers
-from .recalibration import AcceptanceRecalibration
-from .scheduler import ColumnPlan, SPSProfile, choose_lengths, choose_tree_nodes, column_plan, drafting_pays
 from .stats import DSparkStats
 from .tree import TokenTree, VerifiedTree, walk
 from .verify import probs, process, verify_row
-from .versions import CACHE_FIELD, cache_argument, cache_from, takes_logits_to_keep
 
 MAX_BACKOFF = 16  # most plain rounds in a row before the draft is asked again (scheduled/async modes)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from .decoding_config import PRICED_MODES, VERIFY_LAYOUTS
+from ..decoding.config import PRICED_MODES, VERIFY_LAYOUTS
 from .recalibration import AcceptanceRecalibration
 
 
@@ -294,7 +294,8 @@ def choose_lengths(
     (the asynchronous variant sizes its capacity from the one two rounds back; give them recalibrated).
     ``layout``: ``padded`` plans whole columns of the [R, 1 + ℓ] verify block this loop runs (every row then
     verifies up to its cap), ``packed`` plans tokens as the paper's Algorithm 1 does for ragged kernels
-    (B = Σ_r (1 + ℓ_r)). ``recalibration``: shifts the priced modes' confidences (:mod:`hf_dspark.recalibration`)."""
+    (B = Σ_r (1 + ℓ_r)). ``recalibration``: shifts the priced modes' confidences
+    (:mod:`hf_dspark.scheduling.recalibration`)."""
     if layout not in VERIFY_LAYOUTS:
         raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {layout!r}")
     if mode == "fixed" or confidences is None or confidences.shape[1] == 0:
@@ -334,7 +335,7 @@ def choose_tree_nodes(
     mode: str, values: list[float], sps: SPSProfile | None, threshold: float, draft_seconds: float = 0.0
 ) -> tuple[int, bool]:
     """How many of a tree's best nodes to verify, ``values`` being their path values (estimated probabilities that
-    the target's walk reaches them) in the order :meth:`hf_dspark.tree.TokenTree.ranked` gives them (ancestors
+    the target's walk reaches them) in the order :meth:`hf_dspark.decoding.tree.TokenTree.ranked` gives them (ancestors
     first, so every prefix of that order is ancestor-closed). -> (count, whether drafting paid for itself).
 
     ``fixed`` takes them all; ``threshold`` the leading ones valued ≥ ``threshold`` (values fall along paths);

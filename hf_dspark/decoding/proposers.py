@@ -1,5 +1,5 @@
 """Proposers: where a token tree's candidates come from. Each one adds its continuations to the round's
-:class:`~hf_dspark.tree.TokenTree` through one method,
+:class:`~hf_dspark.decoding.tree.TokenTree` through one method,
 
     proposer.propose(tree, request)
 
@@ -18,10 +18,10 @@ from typing import Protocol
 import torch
 from transformers.generation import LogitsProcessorList
 
+from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.recalibration import AcceptanceRecalibration
 from .drafting import DraftContext, draft_backbone
 from .lookup import lookup_continuation
-from .modeling_dspark import DSparkDraftModel
-from .recalibration import AcceptanceRecalibration
 from .tree import TokenTree
 from .verify import process
 
@@ -131,8 +131,8 @@ class DraftTreeProposer:
 @dataclass
 class LookupProposer:
     """Lookup drafting as a branch: the continuation of the row's last n-gram's latest earlier occurrence
-    (:func:`~hf_dspark.lookup.lookup_continuation`), each token valued by ``rate``, the call's observed conditional
-    acceptance of looked-up tokens (a node k deep is worth rate^k)."""
+    (:func:`~hf_dspark.decoding.lookup.lookup_continuation`), each token valued by ``rate``, the call's observed
+    conditional acceptance of looked-up tokens (a node k deep is worth rate^k)."""
 
     max_ngram: int
     min_ngram: int

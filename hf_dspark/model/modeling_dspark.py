@@ -18,12 +18,12 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .checkpoint_files import check_weight_files, checkpoint_folder, read_config
-from .compat import registry
+from ..compat import registry
+from ..compat.checkpoint_files import check_weight_files, checkpoint_folder, read_config
+from ..decoding.config import DECODING_CONFIG_NAME, DecodingConfig
+from ..decoding.stats import DSparkStats
 from .configuration_dspark import DSparkConfig
-from .decoding_config import DECODING_CONFIG_NAME, DecodingConfig
 from .heads import ConfidenceHead, build_sequential_head
-from .stats import DSparkStats
 
 
 class RMSNorm(nn.Module):
@@ -178,7 +178,7 @@ class DSparkDraftModel(PreTrainedModel):
         # How to decode (decoding_config.json): defaults that every generate call may override for itself.
         self.decoding = DecodingConfig.from_dict(c.legacy_decoding, "config") if c.legacy_decoding else DecodingConfig()
         self.stats = DSparkStats(num_draft_tokens=c.num_draft_tokens)  # the last finished generate call's
-        self.sps_profile = None  # hf_dspark.scheduler.SPSProfile set by the user; overrides the measured ones
+        self.sps_profile = None  # hf_dspark.scheduling.policy.SPSProfile set by the user; overrides the measured ones
         self.head_enabled = True  # False: propose from the parallel backbone alone (demo toggle, ablations)
         self.post_init()
 
@@ -602,7 +602,7 @@ class DSparkDraftModel(PreTrainedModel):
             self.decoding.save_pretrained(save_directory)
         repo_id = getattr(self, "_pushing_to", None)
         if repo_id is not None and kwargs.get("is_main_process", True):
-            from .hub_generate import write_custom_generate
+            from ..integration.hub_generate import write_custom_generate
 
             write_custom_generate(save_directory, repo_id)
         return result

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation import LogitsProcessorList
 
-from .kernel_dispatch import fused_head_step, fused_temperature, use_kernels
-from .modeling_dspark import DSparkDraftModel
-from .scheduler import ColumnPlan
+from ..model.kernel_dispatch import fused_head_step, fused_temperature, use_kernels
+from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.policy import ColumnPlan
 from .verify import probs, process
 
 FLUSH_CHUNK = 1024  # context positions projected per call (every position is projected on its own)

@@ -1,5 +1,5 @@
 """Every measurement the scheduler prices a round with: the target's verify profile (timed, cached on disk) and the
-draft block's own cost. The scheduler's policy (:mod:`hf_dspark.scheduler`) is a function of these numbers only.
+draft block's own cost. The scheduler's policy (:mod:`hf_dspark.scheduling.policy`) is a function of these numbers only.
 
     sps_profile     the target's steps per second for each verify shape of a batch (measured once, cached on disk)
     measure_profile the timing itself: ``time_verify_steps`` over a grid, the disk cache, the staleness probe
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from transformers.generation import LogitsProcessorList
 
-from .drafting import DraftContext, draft_block
-from .lm_head import head_orientation, verify_head
-from .modeling_dspark import DSparkDraftModel
-from .scheduler import SPSProfile
+from ..decoding.drafting import DraftContext, draft_block
+from ..decoding.lm_head import head_orientation, verify_head
+from ..model.modeling_dspark import DSparkDraftModel
+from .policy import SPSProfile
 
 CACHE_DIR = Path(os.environ.get("HF_DSPARK_CACHE", "~/.cache/hf_dspark")).expanduser() / "sps"
 # A cached profile records how long a one-token step on a short cache took when it was measured (the probe). If the
@@ -115,8 +115,8 @@ def _median_seconds(run, device: torch.device, reps: int) -> float:
 def tree_draft_seconds(draft: DSparkDraftModel, top_k: int, context: int = 256, reps: int = 3) -> float:
     """Seconds one token tree's drafting costs a row at most (backbone + the head at every node expanded to the
     block's full depth, ``top_k`` children per node), measured like :func:`draft_seconds` once per setting."""
-    from .proposers import DraftTreeProposer, TreeRequest
-    from .tree import TokenTree
+    from ..decoding.proposers import DraftTreeProposer, TreeRequest
+    from ..decoding.tree import TokenTree
 
     device = draft.device
     table = measured_draft_seconds(draft)
@@ -245,7 +245,7 @@ def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5
     Raw times: not made monotone."""
     from transformers import DynamicCache
 
-    from .versions import cache_argument
+    from ..integration.versions import cache_argument
 
     grid = sorted(set(grid))
     if rows < 1 or any(B % rows for B in grid):

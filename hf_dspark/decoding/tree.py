@@ -2,7 +2,7 @@
 
 A round's candidates form a tree rooted at the row's anchor. Node i holds a token, its parent (-1: the anchor),
 its depth and a value: the estimated probability that the target's own path reaches it. Proposers
-(:mod:`hf_dspark.proposers`) add nodes; a continuation that shares a prefix with one already there joins it, so
+(:mod:`hf_dspark.decoding.proposers`) add nodes; a continuation that shares a prefix with one already there joins it, so
 every distinct prefix is one node.
 
     TokenTree.select    the nodes a round verifies: the most valuable, ancestors first (values fall along paths)

@@ -23,9 +23,9 @@ import inspect
 
 from transformers.generation.utils import GenerationMixin
 
-from .decoding_config import DecodingConfig
-from .generation import dspark_decode
-from .modeling_dspark import DSparkDraftModel
+from ..decoding.config import DecodingConfig
+from ..decoding.loop import dspark_decode
+from ..model.modeling_dspark import DSparkDraftModel
 
 _ORIGINALS: dict[str, object] = {}
 
@@ -87,7 +87,7 @@ def dspark_generate(
     ``generate`` passes the prepared ``input_ids`` [R, P] (left-padded for a batch), logits processors, stopping
     criteria, generation config and model kwargs (attention mask, cache), plus the keywords this signature declares:
     ``draft``, and this call's decoding settings: every field of
-    :class:`~hf_dspark.decoding_config.DecodingConfig`, ``None`` keeping the draft's own (``draft.decoding``, which
+    :class:`~hf_dspark.decoding.config.DecodingConfig`, ``None`` keeping the draft's own (``draft.decoding``, which
     the call never changes).
     Returns what :func:`dspark_decode` returns: sequences [R, P + new], or a ``DSparkGenerateOutput`` (with this
     call's ``dspark_stats``) with ``return_dict_in_generate=True``.

@@ -50,15 +50,15 @@ class DecodingConfig:
             the paper's per-token Algorithm 1 (B = Σ_r (1 + ℓ_r)), for engines with ragged kernels. Identical for
             one row.
         confidence_recalibration: (``scheduled``/``async``) shift the head's confidences, per call, toward the
-            acceptance observed in that call's own earlier rounds (``hf_dspark.recalibration``).
-    Lookup drafting (``hf_dspark.lookup``; off while ``lookup_max_ngram`` is 0):
+            acceptance observed in that call's own earlier rounds (``hf_dspark.scheduling.recalibration``).
+    Lookup drafting (``hf_dspark.decoding.lookup``; off while ``lookup_max_ngram`` is 0):
         lookup_max_ngram, lookup_min_ngram: in a round with one row running, if the row's last n tokens (n from
             ``lookup_max_ngram`` down to ``lookup_min_ngram``) occurred earlier in its history, the tokens that
             followed them are verified (a branch of the tree, or instead of the drafted chain). Lossless either way.
         lookup_max_tokens: the most tokens a continuation verifies (``None``: γ; never more than ``verify_limit``).
         lookup_adaptive: a call's first lookup verifies at most γ tokens, each lookup accepted in full doubles that
             width up to ``lookup_max_tokens``, and one cut short sets it back to γ.
-    Token trees (``hf_dspark.tree``):
+    Token trees (``hf_dspark.decoding.tree``):
         tree_top_k: children per node (1: one chain). Above 1, a single-row call verifies a tree: the draft's top
             ``tree_top_k`` tokens under each of the ``tree_top_k`` most valuable nodes of each depth, lookup
             continuations as branches. Batches of several rows verify chains.
