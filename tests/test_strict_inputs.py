@@ -209,3 +209,28 @@ def test_from_pretrained_passes_download_options_to_the_layout_probe(monkeypatch
         "local_files_only": True,
         "allow_patterns": ["sub/*.json", "sub/*.safetensors"],
     }
+
+
+def test_from_pretrained_fetches_a_hub_checkpoint_once_and_loads_that_folder(monkeypatch, tmp_path):
+    """The layout probe's snapshot is the folder transformers loads: one fetch per call, with the download options,
+    and the loaded draft still answers to the repo id it was asked for."""
+    import huggingface_hub
+
+    target = tiny_target("llama")
+    draft = _draft(target)
+    draft.decoding.verify_limit = 3
+    draft.save_pretrained(tmp_path / "snap" / "sub")
+    calls = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append(repo_id)
+        return str(tmp_path / "snap")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    loaded = DSparkDraftModel.from_pretrained("org/draft", subfolder="sub", revision="v2", local_files_only=True)
+    assert calls == ["org/draft"]
+    assert loaded.name_or_path == "org/draft"
+    assert loaded.decoding.verify_limit == 3
+    assert all(
+        torch.equal(a, b) for a, b in zip(draft.state_dict().values(), loaded.state_dict().values(), strict=True)
+    )

@@ -548,13 +548,17 @@ class DSparkDraftModel(PreTrainedModel):
         ``target_vocab_size=target.config.get_text_config().vocab_size``. For every other layout that argument is a
         check: a draft built for another vocabulary raises ``ValueError`` naming both sizes.
         """
-        foreign = cls._foreign_layout(pretrained_model_name_or_path, kwargs)
+        # a Hub id is fetched here, once; the layout probe and transformers' loader then read that folder
+        folder = checkpoint_folder(pretrained_model_name_or_path, kwargs)
+        kwargs.pop("subfolder", None)  # applied: ``folder`` is the checkpoint itself
+        foreign = cls._foreign_layout(folder, kwargs)
         if foreign is not None:
             return foreign
         vocab = kwargs.pop("target_vocab_size", None)  # a check here, never a config override
         want_info = kwargs.pop("output_loading_info", False)
         kwargs["ignore_mismatched_sizes"] = True  # collected and reported below, with names
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        model, info = super().from_pretrained(folder, *args, output_loading_info=True, **kwargs)
+        model.name_or_path = model.config._name_or_path = str(pretrained_model_name_or_path)  # not the cache path
         problems = []
         if info.get("missing_keys"):
             problems.append(f"missing tensors {sorted(info['missing_keys'])}")
@@ -568,9 +572,8 @@ class DSparkDraftModel(PreTrainedModel):
         if problems:
             raise ValueError(f"Malformed DSpark checkpoint {pretrained_model_name_or_path}: " + "; ".join(problems))
         _check_vocab(pretrained_model_name_or_path, model, vocab)
-        saved = checkpoint_folder(pretrained_model_name_or_path, kwargs)
-        if (saved / DECODING_CONFIG_NAME).is_file():  # else a checkpoint from before the split: config.json's
-            model.decoding = DecodingConfig.from_pretrained(saved)
+        if (folder / DECODING_CONFIG_NAME).is_file():  # else a checkpoint from before the split: config.json's
+            model.decoding = DecodingConfig.from_pretrained(folder)
         return (model, info) if want_info else model
 
     @classmethod
