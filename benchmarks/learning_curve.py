@@ -1,7 +1,7 @@
 """Learning curve of SmolLM2 training runs: held-out τ of each kept checkpoint, against steps and supervised tokens.
 
     python -m benchmarks.learning_curve --run run5k-markov-a96 [--run ...] [--prompts 24] [--source S] [--threads 2]
-        [--dtype bfloat16|float32] [--out benchmarks/results/learning_curve]
+        [--dtype bfloat16|float32] [--out benchmarks/results/training/learning_curve]
 
 For every ``checkpoint-N`` a run kept (``--milestone-every`` in the recipe) and its final draft: greedy DSpark
 decoding by the draft alone (fixed γ, no lookup) of the recipe's held-out prompts (all sources, or only
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target and draft dtype")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_curve")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "training" / "learning_curve")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target32, tokenizer = load_target()
