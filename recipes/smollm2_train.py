@@ -121,6 +121,8 @@ def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
         keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd", "argmax", "layers",
                 "references")  # fmt: skip
         recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}
+        if recipe.get("references"):  # runs before this rule fitted CE to the reference text's own tokens
+            recipe["reference_labels"] = "target distribution"
         init = getattr(args, "init_from", None)
         if init is not None and is_shipped(init):
             recipe["continues"] = shipped_runs(init)

@@ -214,7 +214,7 @@ def test_function_prompts_keep_the_signature_and_imports_and_drop_the_solution()
     assert function_prompt("x", "", "def f(a): return a\n") is None  # no body line to leave out
 
 
-def test_reference_rows_are_the_prompt_then_the_answer_then_eos():
+def test_reference_rows_are_the_prompt_then_the_answer_then_eos_not_written_by_the_target():
     tok = char_tokenizer()
     prompts = [Prompt("gsm8k_train:0", "gsm8k_train", [{"role": "user", "content": "1+1?"}]),
                Prompt("gsm8k_train:1", "gsm8k_train", [{"role": "user", "content": "unanswered"}])]  # fmt: skip
@@ -224,6 +224,7 @@ def test_reference_rows_are_the_prompt_then_the_answer_then_eos():
     assert row["source"] == "gsm8k_train@reference"
     assert row["prompt_ids"] == tok.apply_chat_template(prompts[0].messages, add_generation_prompt=True)["input_ids"]
     assert row["response_ids"] == [*tok("It is 2.", add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    assert row["target_wrote"] is False  # the losses take the target's distribution as its labels
 
 
 def test_reference_answers_are_read_with_errors_that_name_the_line(tmp_path):

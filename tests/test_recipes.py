@@ -169,6 +169,17 @@ def test_a_run_reads_the_answer_rows_its_first_start_read(tmp_path):
         run_rows(fresh, rows[:5])
 
 
+def test_a_run_over_reference_answers_records_which_labels_they_had(tmp_path):
+    """Reference rows fit CE to the target's distribution (since #48's soft-label rule); runs before it fitted the
+    text's tokens and have no ``reference_labels`` in their recipe, so the two can be told apart."""
+    for references, expected in [(True, "target distribution"), (False, None)]:
+        run = tmp_path / str(references)
+        run.mkdir()
+        record_recipe(run, argparse.Namespace(head="markov", steps=1, init_from=None, references=references), 6)
+        recipe = json.loads((run / "recipe.json").read_text())
+        assert recipe["references"] is references and recipe.get("reference_labels") == expected
+
+
 def test_a_run_with_three_draft_layers_is_rebuilt_and_reproduced_with_three(tmp_path):
     from safetensors.torch import save_file
 

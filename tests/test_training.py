@@ -7,8 +7,8 @@ from hf_dspark import DSparkDraftModel
 from hf_dspark.testing import char_tokenizer, tiny_rows, tiny_target
 from hf_dspark.training.data import frequent_tokens, load_dataset, read_prompts
 from hf_dspark.training.features import FeatureCache, target_outputs
-from hf_dspark.training.losses import DSparkTrainingModule, block_attention_mask, block_predictions
-from hf_dspark.training.trainer import TrainConfig, make_batch, saved_vocab, train
+from hf_dspark.training.losses import DSparkTrainingModule, LossWeights, block_attention_mask, block_predictions
+from hf_dspark.training.trainer import TrainConfig, make_batch, saved_vocab, text_by_target, train
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +120,38 @@ def test_training_over_a_draft_vocabulary(setup, head):
     for bad, why in [([1, 1, 2], "distinct"), ([0, V], "distinct token ids in"), ([], "distinct")]:
         with pytest.raises(ValueError, match=why):
             DSparkTrainingModule(draft, vocab=torch.tensor(bad, dtype=torch.long))
+
+
+def test_rows_the_target_did_not_write_take_its_distribution_as_the_ce_label(setup):
+    """A row with ``target_wrote`` False (reference text) fits CE to the target's distribution at each slot, the KD
+    term's formula, instead of the text's next token; rows the target wrote keep the token. Every row True is the
+    default; the trainer reads the flag from the rows (absent: True)."""
+    target, rows = setup
+    torch.manual_seed(3)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    batch = _batch(target, draft, rows)
+    weights = LossWeights(ce=1.0, tv=0.0, conf=0.0, kd=1.0)
+    module = DSparkTrainingModule(draft, weights)
+    default = module(*batch)
+    every = module(*batch, None, torch.tensor([True, True]))
+    none = module(*batch, None, torch.tensor([False, False]))
+    torch.testing.assert_close(every["ce"], default["ce"])
+    torch.testing.assert_close(none["ce"], none["kd"])  # the soft label is the distribution KD fits
+    assert abs(float((none["ce"] - default["ce"]).detach())) > 1e-3  # and it is not the text's token
+    for key in ["tv", "kd", "accept", "greedy_accept"]:  # only CE's label changes
+        torch.testing.assert_close(none[key], default[key])
+
+    # one row of each: by hand, one average over both rows' weighted slots
+    pred = block_predictions(draft, *batch)
+    logp_d = torch.log_softmax(pred.logits, -1)
+    w = torch.exp(-torch.arange(4) / 4) * pred.has_label
+    token = -logp_d.gather(-1, pred.labels[..., None]).squeeze(-1)
+    soft = -(pred.target_logprobs.exp() * logp_d).sum(-1)
+    by_hand = ((token[0] * w[0]).sum() + (soft[1] * w[1]).sum()) / w.sum()
+    torch.testing.assert_close(module(*batch, None, torch.tensor([True, False]))["ce"], by_hand)
+
+    reference = {**rows[0], "target_wrote": False}
+    assert text_by_target([rows[1], reference], [1, 0, 1]).tolist() == [False, True, False]
 
 
 def test_a_draft_storing_draft_vocabulary_rows_trains_over_that_vocabulary(setup):

@@ -171,9 +171,10 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
 def reference_rows(tokenizer, prompts: Iterable[Prompt], answers: dict[str, str]) -> list[dict]:
     """Training rows for text the target did not write: each prompt in ``prompts`` that ``answers`` (prompt id ->
     answer text) answers becomes ``{"id": "<prompt id>@reference", "source", "prompt_ids", "response_ids"}``, the
-    answer's tokens followed by the tokenizer's EOS. The target's soft labels (the TV and confidence losses) come from
-    one forward pass over such a row, as over a regenerated one; the id differs from the regenerated answer's to the
-    same prompt, so both can be trained on and cached side by side."""
+    answer's tokens followed by the tokenizer's EOS, and ``"target_wrote": False``: the losses take the target's
+    distribution as every label in such a row (CE as well as TV and confidence; one forward pass gives them, as over
+    a regenerated row), since its tokens are no sample of the target. The id differs from the regenerated answer's
+    to the same prompt, so both can be trained on and cached side by side."""
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token to end reference answers with")
     rows = []
@@ -187,6 +188,7 @@ def reference_rows(tokenizer, prompts: Iterable[Prompt], answers: dict[str, str]
                 "source": f"{prompt.source}@reference",
                 "prompt_ids": encode_prompt(tokenizer, prompt),
                 "response_ids": [*response, tokenizer.eos_token_id],
+                "target_wrote": False,
             }
         )
     return rows

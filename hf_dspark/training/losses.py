@@ -7,7 +7,10 @@ previous tokens. Position weights w_k = exp(-(k-1)/decay), zero past the end of 
     L = w_ce·CE + w_tv·‖p_d - p_t‖₁ + w_conf·BCE(c, 1 - ½‖p_d - p_t‖₁) + w_kd·KD + w_argmax·CE(argmax p_t),
     KD = -Σ_v p_t(v) log p_d(v)
 
-CE fits the answer's own next token (a sample of the target when answers are regenerated at a temperature); KD,
+CE fits the answer's own next token (a sample of the target when answers are regenerated at a temperature); in
+a row whose text the target did not write (``target_wrote`` False: reference answers), that token is no sample of
+the target, so CE fits the target's distribution there instead (-Σ_v p_t(v) log p_d(v), its expectation when the
+target writes the text: one forward pass gives the labels, no regeneration). KD,
 off by default, fits the target's whole next-token distribution at the same slot (distillation: the same optimum,
 without the sampling noise of one drawn token). The argmax term, off by default, fits the target's most likely
 token at the slot: the label greedy verification checks, which a sampled answer's token often is not.
@@ -172,28 +175,39 @@ class DSparkTrainingModule(nn.Module):
             vocab = vocab.sort().values
         self.register_buffer("vocab", vocab, persistent=False)
 
-    def forward(self, features, input_ids, valid, anchors, target_hidden, target_stats=None) -> dict[str, torch.Tensor]:
-        """Arguments as :func:`block_predictions`. Returns the weighted ``loss``, its components, and per-position
-        acceptance estimates ``accept`` [γ] (mean soft label) and ``greedy_accept`` [γ] (argmaxes agree)."""
+    def forward(
+        self, features, input_ids, valid, anchors, target_hidden, target_stats=None, target_wrote=None
+    ) -> dict[str, torch.Tensor]:
+        """Arguments as :func:`block_predictions`; ``target_wrote`` [R] bool (default: every row) says which rows'
+        text the target wrote (see :func:`block_losses`). Returns the weighted ``loss``, its components, and
+        per-position acceptance estimates ``accept`` [γ] (mean soft label) and ``greedy_accept`` [γ] (argmaxes
+        agree)."""
         pred = block_predictions(
             self.draft, features, input_ids, valid, anchors, target_hidden, self.vocab, target_stats
         )
         decay = self.draft.config.loss_decay or self.draft.config.block_size
-        return block_losses(pred, self.weights, decay)
+        return block_losses(pred, self.weights, decay, target_wrote)
 
 
-def block_losses(pred: BlockPredictions, weights: LossWeights, decay: float) -> dict[str, torch.Tensor]:
+def block_losses(
+    pred: BlockPredictions, weights: LossWeights, decay: float, target_wrote: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """The weighted ``loss`` of :class:`BlockPredictions`, its components, and per-position acceptance estimates
     ``accept`` [γ] (mean soft label) and ``greedy_accept`` [γ] (argmaxes agree). Position weights
-    w_k = exp(-k / decay), zero where a slot has no label."""
+    w_k = exp(-k / decay), zero where a slot has no label. ``target_wrote`` [R] bool (``None``: all True): in the
+    rows where it is False, CE's label is the target's distribution, not the text's token."""
     gamma = pred.logits.shape[2]
     logp_d = F.log_softmax(pred.logits, -1)
     p_d, p_t = logp_d.exp(), pred.target_logprobs.exp()
     k = torch.arange(gamma, device=pred.logits.device)
     w = torch.exp(-k.float() / decay) * pred.has_label  # [R, A, γ]
     norm = w.sum().clamp_min(1e-6)
+    own = torch.ones_like(w, dtype=torch.bool) if target_wrote is None else target_wrote[:, None, None].expand_as(w)
     w_ce = w * (pred.labels >= 0)  # a label outside the columns cannot be drafted: no CE term
     nll = -logp_d.gather(-1, pred.labels.clamp_min(0)[..., None]).squeeze(-1)
+    if not bool(own.all()):  # the target's distribution as the label (its mass outside the columns has no column)
+        nll = torch.where(own, nll, -(p_t * logp_d).sum(-1))
+        w_ce = torch.where(own, w_ce, w)
     ce = (nll * w_ce).sum() / w_ce.sum().clamp_min(1e-6)
     missed = (1 - p_t.sum(-1)).clamp_min(0)  # target mass outside the columns (0 with the whole vocabulary)
     # ‖p_d - p_t‖₁ over the whole vocabulary (p_d is 0 outside the columns), whose half is 1 - Σ min(p_d, p_t):

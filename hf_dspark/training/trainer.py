@@ -80,6 +80,12 @@ def make_batch(rows: list[dict], cfg: TrainConfig, gen: torch.Generator, pad_id:
     return input_ids, valid, anchors, idx
 
 
+def text_by_target(rows: list[dict], idx: list[int], device=None) -> torch.Tensor:
+    """[R] bool: whether the target wrote each batch row's answer (a row says ``"target_wrote": false`` when it
+    did not, as reference answers do; regenerated rows need not say)."""
+    return torch.tensor([rows[i].get("target_wrote", True) for i in idx], dtype=torch.bool, device=device)
+
+
 def batch_target_outputs(target, draft, rows, idx, input_ids, valid, cache: FeatureCache | None, cfg):
     """(features [R, L, m·d_t], final hidden [R, L, d_t], statistics) for a batch: from the cache row by row, with
     the target's per-position (logsumexp, argmax) [R, L] as statistics, or online with ``None`` (the loss then
@@ -185,7 +191,7 @@ def train(
         input_ids, valid, anchors = input_ids.to(acc.device), valid.to(acc.device), anchors.to(acc.device)
         feats, final, stats = batch_target_outputs(target, draft, rows, idx, input_ids, valid, cache, cfg)
         with acc.autocast():
-            out = module(feats, input_ids, valid, anchors, final, stats)
+            out = module(feats, input_ids, valid, anchors, final, stats, text_by_target(rows, idx, acc.device))
         acc.backward(out["loss"])
         if cfg.grad_clip:
             acc.clip_grad_norm_(params, cfg.grad_clip)
