@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,10 +130,10 @@ def test_the_ship_step_follows_warm_restarts_back_to_the_first_run(tmp_path):
     ]
     command = train_command("markov", chain).split(" && ")
     assert command[0] == (
-        "python recipes/smollm2_train.py --head markov --run first --steps 4000 --anchors 96 --rows 3000"
+        "python -m recipes.smollm2_train --head markov --run first --steps 4000 --anchors 96 --rows 3000"
     )
     assert command[2] == (
-        "python recipes/smollm2_train.py --head markov --run third --steps 500 --anchors 96 --lr 0.001 --seed 2"
+        "python -m recipes.smollm2_train --head markov --run third --steps 500 --anchors 96 --lr 0.001 --seed 2"
         " --rows 3500 --ce 0 --kd 1 --init-from <state>/second/final"
     )
     assert [loss_terms(r) for r in chain[1:]] == [
@@ -143,16 +145,27 @@ def test_the_ship_step_follows_warm_restarts_back_to_the_first_run(tmp_path):
 def test_an_unfinished_run_is_described_by_its_recipe(tmp_path):
     run = tmp_path / "stopped"
     args = argparse.Namespace(
-        head="markov", steps=3000, anchors=64, lr=2e-3, seed=5, ce=0.0, kd=1.0, argmax=0.5, init_from=None
-    )
+        head="markov", steps=3000, anchors=64, lr=2e-3, seed=5, ce=0.0, kd=1.0, argmax=0.5, init_from=None,
+        references=True,
+    )  # fmt: skip
     run.mkdir()
     record_recipe(run, args, 4200)
     entry = unfinished_run(run, 1200)
     assert train_command("markov", [entry]) == (
-        "python recipes/smollm2_train.py --head markov --run stopped --steps 1200 --anchors 64 --lr 0.002 --seed 5"
-        " --rows 4200 --ce 0 --kd 1 --argmax 0.5"
+        "python -m recipes.smollm2_train --head markov --run stopped --steps 1200 --anchors 64 --lr 0.002 --seed 5"
+        " --rows 4200 --references --ce 0 --kd 1 --argmax 0.5"
     )
     assert loss_terms(entry) == "0.1 TV + 1.0 confidence BCE + 1.0 KD + 0.5 CE on the target's argmax"
+
+
+def test_the_recorded_training_command_runs_from_the_repository_root():
+    """The command a model card records starts the recipe as written (a recipe imports its siblings as the
+    ``recipes`` package, so ``python recipes/smollm2_train.py`` would fail to import them)."""
+    entry = {"run": "r", "steps": 1, "lr": 3e-3, "seed": 0, "anchors": 8, "loss_weights": {"ce": 1.0}}
+    words = train_command("markov", [entry]).split()
+    assert words[:3] == ["python", "-m", "recipes.smollm2_train"]
+    done = subprocess.run([sys.executable, *words[1:3], "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and "--references" in done.stdout, done.stderr[-500:]
 
 
 def test_a_run_reads_the_answer_rows_its_first_start_read(tmp_path):
@@ -201,7 +214,7 @@ def test_a_run_with_three_draft_layers_is_rebuilt_and_reproduced_with_three(tmp_
     assert step == 200 and len(loaded.layers) == 3
     assert torch.equal(loaded.layers[2].mlp.up_proj.weight, three.layers[2].mlp.up_proj.weight)
     assert train_command("markov", [unfinished_run(run, 200)]) == (
-        "python recipes/smollm2_train.py --head markov --run deeper --steps 200 --anchors 96 --layers 3 --rows 100"
+        "python -m recipes.smollm2_train --head markov --run deeper --steps 200 --anchors 96 --layers 3 --rows 100"
     )
 
 
@@ -242,7 +255,7 @@ def test_a_run_continued_from_the_shipped_draft_carries_its_history_on(tmp_path)
     command = train_command("markov", chain).split(" && ")
     assert command[1].endswith("--rows 3500 --init-from <state>/first/final")
     assert command[2] == (
-        "python recipes/smollm2_train.py --head markov --run third --steps 500 --anchors 96 --lr 0.001 --seed 4"
+        "python -m recipes.smollm2_train --head markov --run third --steps 500 --anchors 96 --lr 0.001 --seed 4"
         " --rows 4000 --init-from <draft shipped from second>"
     )
 
