@@ -202,10 +202,10 @@ def block_losses(
     k = torch.arange(gamma, device=pred.logits.device)
     w = torch.exp(-k.float() / decay) * pred.has_label  # [R, A, γ]
     norm = w.sum().clamp_min(1e-6)
-    own = torch.ones_like(w, dtype=torch.bool) if target_wrote is None else target_wrote[:, None, None].expand_as(w)
     w_ce = w * (pred.labels >= 0)  # a label outside the columns cannot be drafted: no CE term
     nll = -logp_d.gather(-1, pred.labels.clamp_min(0)[..., None]).squeeze(-1)
-    if not bool(own.all()):  # the target's distribution as the label (its mass outside the columns has no column)
+    if target_wrote is not None:  # elsewhere the target's distribution is the label (no column for its mass outside)
+        own = target_wrote[:, None, None]
         nll = torch.where(own, nll, -(p_t * logp_d).sum(-1))
         w_ce = torch.where(own, w_ce, w)
     ce = (nll * w_ce).sum() / w_ce.sum().clamp_min(1e-6)
