@@ -180,7 +180,7 @@ def test_adaptive_lookup_width_rule():
     """The width rule on its own: a short continuation accepted whole earns twice its length but never less than
     γ, a long one at most ``lookup_max_tokens``, and one cut short goes back to γ (``None``)."""
     from hf_dspark.decoding.drafting import Proposal
-    from hf_dspark.decoding.loop import RoundPlan, Schedule
+    from hf_dspark.decoding.loop import RoundPlan, Schedule, row_proposals
 
     draft = DSparkDraftModel.from_target(tiny_target(), block_size=4, head_rank=8)
     draft.decoding.lookup_max_tokens, draft.decoding.lookup_adaptive = 12, True
@@ -191,7 +191,8 @@ def test_adaptive_lookup_width_rule():
         kept = torch.zeros(1, 13, dtype=torch.bool)
         kept[0, : accepted + 1] = True  # the anchor and the accepted slots
         looked_up = Proposal(torch.zeros(1, 0, dtype=torch.long), None, torch.zeros(1, 0))  # no block was drafted
-        schedule.observe(RoundPlan([0], {0: torch.arange(found)}, None), kept, looked_up, [found])
+        plan = RoundPlan([0], {0: torch.arange(found)}, None)
+        schedule.observe(row_proposals(plan, looked_up, [found], 16, do_sample=False), kept)
         return schedule.lookup_width
 
     assert gamma > 2

@@ -4,6 +4,7 @@
     Schedule.plan    what each row may verify this round: lookups, length caps, back-off, the column planner
     draft_block      (drafting.py) the drafted block, ended where the plan closes
     Schedule.lengths the verify lengths from the block's confidences; back-off for the rounds that follow
+    row_proposals    what each row verifies: its drafted block cut to its length, or its lookup continuation
     verify_block     each active row's anchor + proposal as one [R, W] block for one target forward
     accept           exact acceptance per row (verify.py), committed token by token against the stopping criteria
     DecodeState      the batch between rounds: output buffer, caches, draft context; advance, compact
@@ -270,6 +271,35 @@ class RoundPlan:
 
 
 @dataclass
+class RowProposal:
+    """What one row verifies this round: ``tokens`` [ℓ], their proposal distribution ``probs`` [ℓ, V] (sampling
+    only; one-hot for a lookup continuation) and the draft's ``confidences`` (ℓ floats) for a drafted block, None for
+    a lookup continuation, which neither the recalibration nor the stats count as drafted."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+    confidences: list[float] | None
+    looked_up: bool = False
+
+
+def row_proposals(
+    plan: RoundPlan, proposal: Proposal, lengths: list[int], vocab_size: int, do_sample: bool
+) -> list[RowProposal]:
+    """Each row's proposal for this round (``lengths`` [R]: tokens it verifies): the one place where drafted blocks
+    and lookup continuations meet; verification, acceptance and the schedule read only the result."""
+    rows = []
+    for r, ell in enumerate(lengths):
+        found = plan.looked_up.get(r)
+        if found is not None:  # a deterministic proposal: q is one-hot (greedy needs no q)
+            rows.append(RowProposal(found, one_hot_probs(found, vocab_size) if do_sample else None, None, True))
+            continue
+        q = proposal.probs[r, :ell] if proposal.probs is not None else None
+        confidences = proposal.confidences[r, :ell].tolist() if proposal.confidences is not None else None
+        rows.append(RowProposal(proposal.tokens[r, :ell], q, confidences))
+    return rows
+
+
+@dataclass
 class Schedule:
     """How many draft tokens each row verifies, round after round (``settings.verify_mode``), and when not to draft.
 
@@ -330,22 +360,24 @@ class Schedule:
             limit = min(limit, s.verify_limit)
         return state.room(limit, max_length)
 
-    def observe(self, plan: RoundPlan, kept: torch.Tensor, proposal: Proposal, lengths: list[int]) -> None:
+    def observe(self, rows: list[RowProposal], kept: torch.Tensor) -> None:
         """After a verify (``kept`` [R, W]: the anchor and accepted slots per row): each drafted row's acceptance
         feeds the recalibration. With ``lookup_adaptive``, a lookup accepted in full makes the next lookup's width
         twice its length (at least γ: a short continuation accepted whole is no reason to verify less than a
         drafted block; at most ``lookup_max_tokens``), one cut short sets it back to γ. Only one row looks up in a
         round, so one width serves the call."""
-        if self.recalibration is not None and proposal.confidences is not None:
-            for r, ell in enumerate(lengths):
-                if ell and r not in plan.looked_up:
-                    self.recalibration.observe(proposal.confidences[r, :ell].tolist(), int(kept[r].sum()) - 1)
+        if self.recalibration is not None:
+            for r, row in enumerate(rows):
+                if row.confidences:
+                    self.recalibration.observe(row.confidences, int(kept[r].sum()) - 1)
         if not self.settings.lookup_adaptive:
             return
-        for r, found in plan.looked_up.items():
-            whole = int(kept[r].sum()) - 1 == found.shape[0]
-            cap = self.settings.lookup_max_tokens or self.draft_tokens
-            self.lookup_width = max(self.draft_tokens, min(2 * found.shape[0], cap)) if whole else None
+        for r, row in enumerate(rows):
+            if row.looked_up:
+                ell = row.tokens.shape[0]
+                cap = self.settings.lookup_max_tokens or self.draft_tokens
+                whole = int(kept[r].sum()) - 1 == ell
+                self.lookup_width = max(self.draft_tokens, min(2 * ell, cap)) if whole else None
 
     def lengths(self, plan: RoundPlan, proposal: Proposal, state: DecodeState) -> list[int]:
         """Tokens each row verifies: the plan's (closed while drafting, or chosen now from the whole block), a
@@ -379,51 +411,32 @@ class Schedule:
 @dataclass
 class VerifyBlock:
     """Each active row's anchor + proposal, padded into one block: ``tokens`` [R, W], ``valid`` [R, W] (False for
-    padding and finished rows), ``positions`` [R, W]; ``proposed[r]`` is row r's proposal [ℓ_r] and ``probs[r]``
-    its q [ℓ_r, V] (sampling; one-hot for a looked-up row) or None."""
+    padding and finished rows), ``positions`` [R, W]."""
 
     tokens: torch.Tensor
     valid: torch.Tensor
     positions: torch.Tensor
-    proposed: list[torch.Tensor]
-    probs: list[torch.Tensor | None]
 
 
-def verify_block(
-    state: DecodeState,
-    plan: RoundPlan,
-    proposal: Proposal,
-    lengths: list[int],
-    pad_id: int,
-    vocab_size: int,
-    do_sample: bool,
-) -> VerifyBlock:
+def verify_block(state: DecodeState, rows: list[RowProposal], pad_id: int) -> VerifyBlock:
     R, device = state.size, state.tokens.device
-    width = max(lengths[r] + 1 for r in state.active)
+    width = max(rows[r].tokens.shape[0] + 1 for r in state.active)
     tokens = torch.full((R, width), pad_id, dtype=torch.long, device=device)
     valid = torch.zeros(R, width, dtype=torch.bool, device=device)
-    proposed, dists = [], []
-    for r in range(R):
-        if r in plan.looked_up:  # a deterministic proposal: q is one-hot (greedy needs no q)
-            proposed.append(plan.looked_up[r])
-            dists.append(one_hot_probs(proposed[r], vocab_size) if do_sample else None)
-        else:
-            proposed.append(proposal.tokens[r, : lengths[r]])
-            dists.append(proposal.probs[r, : lengths[r]] if proposal.probs is not None else None)
-        if not state.finished[r]:
-            tokens[r, 0] = state.tokens[r, state.lengths[r] - 1]
-            tokens[r, 1 : 1 + lengths[r]] = proposed[r]
-            valid[r, : lengths[r] + 1] = True
+    for r in state.active:
+        ell = rows[r].tokens.shape[0]
+        tokens[r, 0] = state.tokens[r, state.lengths[r] - 1]
+        tokens[r, 1 : 1 + ell] = rows[r].tokens
+        valid[r, : ell + 1] = True
     positions = state.anchor_positions[:, None] + torch.arange(width, device=device)
-    return VerifyBlock(tokens, valid, positions, proposed, dists)
+    return VerifyBlock(tokens, valid, positions)
 
 
 def accept(
     state: DecodeState,
     block: VerifyBlock,
     raw: torch.Tensor,
-    plan: RoundPlan,
-    proposal: Proposal,
+    rows: list[RowProposal],
     rules: Rules,
     outputs: Outputs,
 ) -> torch.Tensor:
@@ -431,20 +444,14 @@ def accept(
     drafts + its correction/bonus token. -> kept [R, W]: the slots that now hold committed tokens."""
     kept = torch.zeros_like(block.valid)
     for r in state.active:
-        ell = block.proposed[r].shape[0]
+        row = rows[r]
+        ell = row.tokens.shape[0]
         n, nxt, scores = verify_row(
-            block.proposed[r], block.probs[r], raw[r, : ell + 1], state.history(r), rules.processors, rules.do_sample
+            row.tokens, row.probs, raw[r, : ell + 1], state.history(r), rules.processors, rules.do_sample
         )
-        new = torch.cat([block.proposed[r][:n], nxt[None]])
+        new = torch.cat([row.tokens[:n], nxt[None]])
         committed = state.commit(r, new, scores, rules.stopping)
-        drafted = r not in plan.looked_up and proposal.confidences is not None
-        outputs.stats.record(
-            ell,
-            n,
-            committed,
-            proposal.confidences[r, :ell].tolist() if drafted else None,
-            looked_up=r in plan.looked_up,
-        )
+        outputs.stats.record(ell, n, committed, row.confidences, looked_up=row.looked_up)
         if outputs.wanted:
             outputs.emit(new[:committed], scores, raw[r])
         kept[r, : n + 1] = True
@@ -637,13 +644,14 @@ def dspark_decode(
             )
             lengths = schedule.lengths(plan, proposal, state)
             stats.verify_rounds.append([lengths[r] for r in state.active])
-            block = verify_block(state, plan, proposal, lengths, pad_id, vocab_size, g.do_sample)
+            rows = row_proposals(plan, proposal, lengths, vocab_size, g.do_sample)
+            block = verify_block(state, rows, pad_id)
             mask = state.attention_mask(block.valid)
             out, fused = target_forward(target, block.tokens, block.positions, mask, cache, tap)
             raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
             check_finite(raw[block.valid])
-            kept = accept(state, block, raw, plan, proposal, rules, outputs)
-            schedule.observe(plan, kept, proposal, lengths)
+            kept = accept(state, block, raw, rows, rules, outputs)
+            schedule.observe(rows, kept)
             if not state.active:
                 break
             state.advance(kept, fused, block.positions)
