@@ -98,11 +98,16 @@ def run_history(run: Path) -> list[dict]:
     entry = {
         "run": run.name,
         **{k: cfg[k] for k in ("steps", "lr", "seed", "anchors", "loss_weights")},
-        "rows": recipe.get("rows"),
-        "layers": recipe.get("layers", 2),
-        **({"references": True} if recipe.get("references") else {}),
+        **recorded_data(recipe),
     }
     return [*runs_before(run), entry]
+
+
+def recorded_data(recipe: dict) -> dict:
+    """What a run's ``recipe.json`` says it trained on and with: answer rows (None if not kept), draft layers (2
+    if not kept), and ``references`` when it read the reference answers too."""
+    data = {"rows": recipe.get("rows"), "layers": recipe.get("layers", 2)}
+    return {**data, "references": True} if recipe.get("references") else data
 
 
 def unfinished_run(run: Path, step: int) -> dict:
@@ -116,9 +121,7 @@ def unfinished_run(run: Path, step: int) -> dict:
         "loss_weights": asdict(
             recipe_loss(*(recipe.get(k, d) for k, d in (("ce", 1.0), ("kd", 0.0), ("argmax", 0.0))))
         ),
-        "rows": recipe.get("rows"),
-        "layers": recipe.get("layers", 2),
-        **({"references": True} if recipe.get("references") else {}),
+        **recorded_data(recipe),
     }
 
 

@@ -287,6 +287,7 @@ def row_proposals(
 ) -> list[RowProposal]:
     """Each row's proposal for this round (``lengths`` [R]: tokens it verifies): the one place where drafted blocks
     and lookup continuations meet; verification, acceptance and the schedule read only the result."""
+    confidences = proposal.confidences.tolist() if proposal.confidences is not None else None  # one transfer
     rows = []
     for r, ell in enumerate(lengths):
         found = plan.looked_up.get(r)
@@ -294,8 +295,7 @@ def row_proposals(
             rows.append(RowProposal(found, one_hot_probs(found, vocab_size) if do_sample else None, None, True))
             continue
         q = proposal.probs[r, :ell] if proposal.probs is not None else None
-        confidences = proposal.confidences[r, :ell].tolist() if proposal.confidences is not None else None
-        rows.append(RowProposal(proposal.tokens[r, :ell], q, confidences))
+        rows.append(RowProposal(proposal.tokens[r, :ell], q, None if confidences is None else confidences[r][:ell]))
     return rows
 
 

@@ -204,9 +204,12 @@ def block_losses(
     norm = w.sum().clamp_min(1e-6)
     w_ce = w * (pred.labels >= 0)  # a label outside the columns cannot be drafted: no CE term
     nll = -logp_d.gather(-1, pred.labels.clamp_min(0)[..., None]).squeeze(-1)
-    if target_wrote is not None:  # elsewhere the target's distribution is the label (no column for its mass outside)
+    # -Σ p_t log p_d over the columns (the target's mass outside them has no column): KD's term, and CE's where the
+    # target did not write the text
+    soft_nll = -(p_t * logp_d).sum(-1) if weights.kd or target_wrote is not None else None
+    if target_wrote is not None:
         own = target_wrote[:, None, None]
-        nll = torch.where(own, nll, -(p_t * logp_d).sum(-1))
+        nll = torch.where(own, nll, soft_nll)
         w_ce = torch.where(own, w_ce, w)
     ce = (nll * w_ce).sum() / w_ce.sum().clamp_min(1e-6)
     missed = (1 - p_t.sum(-1)).clamp_min(0)  # target mass outside the columns (0 with the whole vocabulary)
@@ -218,8 +221,7 @@ def block_losses(
     losses = {"ce": ce, "tv": tv}
     loss = weights.ce * ce + weights.tv * tv
     if weights.kd:
-        # the target's mass outside the columns has no draft column to go to: the term covers the columns only
-        losses["kd"] = (-(p_t * logp_d).sum(-1) * w).sum() / norm
+        losses["kd"] = (soft_nll * w).sum() / norm
         loss = loss + weights.kd * losses["kd"]
     if weights.argmax:
         w_top = w * (pred.target_top >= 0)  # a target argmax outside the columns cannot be drafted
