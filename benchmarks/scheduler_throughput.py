@@ -99,7 +99,12 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
         loop.draft_block, loop.choose_lengths = real_draft, real_choose
 
 
-def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: int = 1, prompts: int = 8) -> dict:
+TREE_MODES = {"scheduled-tree-2": 2, "scheduled-tree-4": 4}  # each row its own token tree, top-K children per node
+
+
+def run_modes(
+    target, draft, tokenizer, R: int, max_new_tokens: int, repeats: int = 1, prompts: int = 8, only=None
+) -> dict:
     """Every mode on the same prompts in batches of R (at least ``prompts`` prompts, so a small R is not one
     prompt's luck), ``repeats`` passes; within a pass each batch runs every mode back to back (A B C … on batch 1,
     then on batch 2, …), so drift between batches hits all modes alike.
@@ -111,7 +116,10 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: in
     eos = tokenizer.eos_token_id
     modes = {"plain": None, **{f"fixed-{g}": ("fixed", g) for g in (2, 4, 8) if g <= gamma},
              "scheduled": ("scheduled", None), "scheduled-packed": ("scheduled", None), "async": ("async", None),
-             "oracle": ("fixed", None), "scheduled+lookup": ("scheduled", None)}  # fmt: skip
+             "oracle": ("fixed", None), "scheduled+lookup": ("scheduled", None),
+             **{name: ("scheduled", None) for name in TREE_MODES}}  # fmt: skip
+    if only:  # plain always runs (the oracle reads its output, and it is every ratio's baseline)
+        modes = {name: setting for name, setting in modes.items() if setting is None or name in only}
     totals = {name: {"tokens": 0, "seconds": 0.0, "committed": 0, "rounds": 0, "budget": [], "passes": []}
               for name in modes}  # fmt: skip
     references, diverged = [None] * n_batches, [set() for _ in range(n_batches)]
@@ -127,8 +135,9 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: in
                     references[b] = out.tolist()
                 else:
                     mode, limit = setting
+                    tree_top_k = TREE_MODES.get(name, 1)
                     settings = {
-                        "verify_mode": mode, "verify_limit": limit or gamma, "tree_top_k": 1,
+                        "verify_mode": mode, "verify_limit": limit or gamma * tree_top_k, "tree_top_k": tree_top_k,
                         "verify_layout": "packed" if name.endswith("-packed") else "padded",
                         # the shipped lookup drafting, for its own row only: the others compare verify modes
                         "lookup_max_ngram": 3 if name.endswith("+lookup") else 0,
@@ -163,10 +172,19 @@ def run_modes(target, draft, tokenizer, R: int, max_new_tokens: int, repeats: in
 
 
 def markdown(result: dict) -> str:
-    """The table: total tokens/s per mode and R, the scheduler's verify budget, and its ratios to the goals."""
+    """The table: total tokens/s per mode and R, the scheduler's verify budget, and its ratios to the goals (those
+    whose modes ran: best fixed, the oracle, and the best token-tree mode against the chain)."""
     rows = result["rows"]
     names = [k for k in rows[0] if k not in ("R", "prompts")]
-    head = ["R", "prompts", *names, "scheduled verify/request", "scheduled / best fixed", "scheduled / oracle"]
+    trees = [k for k in names if k in TREE_MODES]
+    fixed = [k for k in names if k.startswith("fixed")]
+    ratios = {
+        "scheduled / best fixed": (fixed, lambda row: _ratio(row["scheduled"], _fastest(row, fixed))),
+        "scheduled / oracle": ("oracle" in names, lambda row: _ratio(row["scheduled"], row["oracle"])),
+        "best tree / scheduled chain": (trees, lambda row: _ratio(_fastest(row, trees), row["scheduled"])),
+    }
+    ratios = {name: cell for name, (shown, cell) in ratios.items() if shown}
+    head = ["R", "prompts", *names, "scheduled verify/request", *ratios]
     lines = [
         f"Measured {result['date']}, {result['dtype']}, {result['threads']} threads, "
         f"{result['max_new_tokens']} new tokens per prompt, γ = {result['gamma']}; total tokens/s over "
@@ -177,13 +195,14 @@ def markdown(result: dict) -> str:
         "|" + "---|" * len(head),
     ]
     for row in rows:
-        best_fixed = max((k for k in names if k.startswith("fixed")), key=lambda k: row[k]["tok_per_s"])
-        s = row["scheduled"]
-        cells = [str(row["R"]), str(row.get("prompts", row["R"])),
-                 *(f"{row[k]['tok_per_s']:.1f}" for k in names), f"{s['verify_per_request']:.2f}",
-                 _ratio(s, row[best_fixed]), _ratio(s, row["oracle"])]  # fmt: skip
+        cells = [str(row["R"]), str(row.get("prompts", row["R"])), *(f"{row[k]['tok_per_s']:.1f}" for k in names),
+                 f"{row['scheduled']['verify_per_request']:.2f}", *(cell(row) for cell in ratios.values())]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _fastest(row: dict, names: list[str]) -> dict:
+    return row[max(names, key=lambda k: row[k]["tok_per_s"])]
 
 
 def _ratio(a: dict, b: dict) -> str:
@@ -221,6 +240,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="passes over all modes per R (summed)")
     ap.add_argument("--prompts", type=int, default=8, help="at least this many prompts per R, in batches of R")
+    ap.add_argument("--modes", nargs="+", default=None, help="run only these modes (and plain); default: all")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has native bf16 units (see embedded.fast_dtype)")  # fmt: skip
     ap.add_argument(
@@ -249,7 +269,8 @@ def main() -> None:
         sps = {R: costs.sps_profile(draft, target, R).table for R in sizes}
         draft_ms = {R: 1000 * costs.draft_seconds(draft, R) for R in sizes}
         rows = [
-            run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats, args.prompts) for R in args.rows
+            run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats, args.prompts, args.modes)
+            for R in args.rows
         ]
         result = {"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype).replace("torch.", ""),
                   "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,

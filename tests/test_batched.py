@@ -39,12 +39,14 @@ def scripted_draft(draft, refs, right):
     draft.forward = forward
 
 
+@pytest.mark.parametrize("tree_top_k", [1, 3])  # chains, then each row its own token tree
 @pytest.mark.parametrize("mode", ["fixed", "threshold", "scheduled", "async"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_batched_greedy_equals_per_row_plain_greedy(mode, arch):
+def test_batched_greedy_equals_per_row_plain_greedy(mode, arch, tree_top_k):
     target = tiny_target(arch, dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.decoding.verify_mode = mode
+    draft.decoding.tree_top_k = tree_top_k
     draft.decoding.confidence_threshold = 0.5
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.1 * B))
     # an EOS that row 0 produces early, so rows finish at different times
@@ -75,19 +77,26 @@ def test_batched_greedy_equals_per_row_plain_greedy(mode, arch):
     # finished rows stop consuming verify budget: rounds after row 0's end verify fewer rows
     sizes = [len(v) for v in draft.stats.verify_rounds]
     assert sizes[0] == 4 and min(sizes) < 4 and sizes == sorted(sizes, reverse=True)
+    assert draft.stats.tree_fallback is None
 
 
+@pytest.mark.parametrize("tree_top_k", [1, 3])
 @pytest.mark.parametrize("mode", ["fixed", "scheduled"])
-def test_finished_rows_leave_the_batch(mode, monkeypatch):
+def test_finished_rows_leave_the_batch(mode, tree_top_k, monkeypatch):
     """A row that finishes is dropped from the target's and the draft's caches: later rounds draft and verify only
-    the rows still running, every row still equals its own plain greedy output, and (scheduled, no user profile)
-    the SPS profile follows the shrinking batch in power-of-two sizes."""
+    the rows still running (chains or trees), every row still equals its own plain greedy output, and (scheduled,
+    no user profile) the SPS profile follows the shrinking batch in power-of-two sizes."""
+    from transformers import DynamicCache
+
+    from hf_dspark.decoding import checks, loop
     from hf_dspark.scheduling import costs
     from hf_dspark.scheduling.policy import SPSProfile
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.decoding.verify_mode = mode
+    draft.decoding.tree_top_k = tree_top_k
+    monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k: 0.0)  # its timing drafts one-row trees
     measured, draft_rows, verify_rows = [], [], []
     fake = lambda t, grid, rows: measured.append(rows) or SPSProfile.from_callable(lambda B: 1 / B**0.1)  # noqa: E731
     monkeypatch.setattr(costs, "measure_profile", fake)
@@ -104,6 +113,7 @@ def test_finished_rows_leave_the_batch(mode, monkeypatch):
             return torch.tensor([input_ids.shape[1] - width >= budgets[tuple(input_ids[0, :width].tolist())]])
 
     refs = [target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :] for p in PROMPTS]
+    checks.tree_refusal(target, DynamicCache(config=target.config))  # its one-time probe of the target, done here
     verify_rows.clear()
     out = target.generate(
         ids,
@@ -127,10 +137,12 @@ def test_finished_rows_leave_the_batch(mode, monkeypatch):
         assert measured == [] and draft_rows[-1] == 1
 
 
-def test_return_dict_keeps_every_row_in_the_returned_cache():
+@pytest.mark.parametrize("tree_top_k", [1, 3])
+def test_return_dict_keeps_every_row_in_the_returned_cache(tree_top_k):
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.decoding.verify_mode = "fixed"
+    draft.decoding.tree_top_k = tree_top_k
     probe = target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=12, do_sample=False)[0, len(PROMPTS[0]) :]
     ids, mask = left_pad(PROMPTS)
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=int(probe[2]), pad_token_id=PAD)

@@ -462,3 +462,20 @@ def test_tree_node_choice_is_a_function_of_numbers():
     # round's rate falls below a plain step's, so drafting did not pay (the caller backs off)
     costly, pays = choose_tree_nodes("scheduled", values, sps, 0.5, draft_seconds=10.0)
     assert costly > chosen and not pays
+
+
+def test_batched_tree_node_choice_admits_ranks_across_rows():
+    """Two rows in one padded verify: the B-th best node of every row is admitted together (values summed over the
+    rows), τ starts at one token per generating row, and a width of 1 + B costs SPS(rows · (1 + B))."""
+    from hf_dspark.scheduling.policy import choose_tree_nodes
+
+    sps = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.25 * (B - 1)))
+    summed = [0.9 + 0.7, 0.8 + 0.1, 0.5 + 0.0, 0.2]  # row 0: 0.9 0.8 0.5 0.2; row 1: 0.7 0.1
+    chosen, pays = choose_tree_nodes("scheduled", summed, sps, 0.5, rows=2, generating=2)
+    rates = [(2 + sum(summed[:b])) * sps(2 * (1 + b)) for b in range(len(summed) + 1)]
+    best = next(b for b in range(len(summed)) if rates[b + 1] <= rates[b])  # the first rank that does not pay
+    assert chosen == best and rates[chosen] > rates[0] and pays == (rates[chosen] > 2 * sps(2))
+    # one row of a two-row verify (the other finished but stays in the batch): the padding is still paid for
+    alone, _ = choose_tree_nodes("scheduled", [0.9, 0.8, 0.5, 0.2], sps, 0.5, rows=2, generating=1)
+    single, _ = choose_tree_nodes("scheduled", [0.9, 0.8, 0.5, 0.2], sps, 0.5)
+    assert alone < single

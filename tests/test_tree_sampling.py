@@ -3,7 +3,18 @@
 
 import pytest
 import torch
-from helpers import ALPHA, CASES, VOCAB, chi_square_pvalue, exact_distribution, processors, sample_counts
+from helpers import (
+    ALPHA,
+    CASES,
+    PROMPT,
+    SAMPLES,
+    VOCAB,
+    chi_square_pvalue,
+    exact_distribution,
+    left_pad,
+    processors,
+    sample_counts,
+)
 from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_dspark import DSparkDraftModel
@@ -48,6 +59,28 @@ def test_tree_sampling_with_repetition_penalty_matches_target_distribution(small
     probs = exact_distribution(small_target, procs)
     counts = sample_counts(small_target, draft, {"repetition_penalty": 1.8, "temperature": 1.0, "top_k": 0,
                            "tree_top_k": 2, "verify_mode": "fixed"}, custom_generate=True)  # fmt: skip
+    assert chi_square_pvalue(counts, probs) > ALPHA
+
+
+def test_batched_tree_sampling_matches_target_distribution(small_target):
+    """A row of a left-padded batch (the other row longer, with a tree of its own in the same verify) samples the
+    target exactly: its mask, positions and cache compaction leave its distribution untouched."""
+    import hf_dspark
+
+    draft = _sampling_draft(small_target)
+    kw = CASES["top-k-top-p"]
+    probs = exact_distribution(small_target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
+    ids, mask = left_pad([PROMPT[0].tolist(), [3, 5, 1, 4, 2, 5]])
+    torch.manual_seed(0)
+    counts, batched = {}, 0
+    for _ in range(SAMPLES):
+        out = small_target.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, pad_token_id=0,
+                                    custom_generate=hf_dspark.dspark_generate, draft=draft, tree_top_k=2,
+                                    verify_mode="fixed", **kw)  # fmt: skip
+        key = tuple(out[0, ids.shape[1] : ids.shape[1] + 3].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        batched += sum(len(rows) == 2 and min(rows) > 1 for rows in draft.stats.verify_rounds)
+    assert draft.stats.tree_fallback is None and batched > SAMPLES  # both rows verified trees together
     assert chi_square_pvalue(counts, probs) > ALPHA
 
 

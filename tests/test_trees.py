@@ -182,7 +182,8 @@ FAMILIES = [
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_tree_greedy_matches_plain_across_families(model_type):
-    """Every family verifies trees exactly, or verifies chains and names why (sliding windows)."""
+    """Every family verifies trees exactly, one row or a padded batch, or verifies chains and names why (sliding
+    windows)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -196,6 +197,15 @@ def test_tree_greedy_matches_plain_across_families(model_type):
         assert draft.stats.tree_fallback == "the target has sliding-window attention layers"
     else:
         assert draft.stats.tree_fallback is None and max(draft.stats.proposed) > 4
+    # a left-padded batch: each row its own tree, its own mask and positions, in one forward
+    from helpers import left_pad
+
+    ids, mask = left_pad([_prompt(1, length=7)[0].tolist(), _prompt(2, length=4)[0].tolist()])
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = _tree_generate(target, draft, ids, attention_mask=mask, max_new_tokens=10, tree_top_k=3,
+                         verify_mode="fixed", pad_token_id=0)  # fmt: skip
+    assert out.tolist() == ref.tolist()
+    assert (draft.stats.tree_fallback is None) == (model_type not in SLIDING)
 
 
 class SecondChoiceOracle:
@@ -258,17 +268,61 @@ def test_tree_caches_hold_only_the_accepted_path():
         torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-4)
 
 
-def test_batches_verify_chains_and_say_so():
+@pytest.mark.parametrize(("mode", "lookup"), [("fixed", 0), ("scheduled", 3), ("threshold", 2)])
+def test_batched_trees_match_plain_generate_row_for_row(mode, lookup):
+    """Each row of a left-padded batch verifies its own tree (one forward for all rows) and equals its own plain
+    greedy output, rows finishing at different times."""
     from helpers import left_pad
+
+    from hf_dspark.scheduling.policy import SPSProfile
 
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
-    ids, mask = left_pad([[5, 17, 33, 2, 9], [12, 3, 40]])
-    ref = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    out = target.generate(ids, attention_mask=mask, custom_generate=hf_dspark.dspark_generate, draft=draft,
-                          max_new_tokens=12, do_sample=False, tree_top_k=4)  # fmt: skip
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.02 * B))
+    prompts = [[5, 17, 33, 2, 9], [12, 3, 40], [70, 71, 72, 70, 71, 72, 70]]
+    ids, mask = left_pad(prompts)
+    kw = dict(attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0)
+    eos = int(target.generate(ids[1:2, -3:], max_new_tokens=6, do_sample=False)[0, -2])  # row 1 ends early
+    ref = target.generate(ids, eos_token_id=eos, **kw)
+    out = target.generate(ids, eos_token_id=eos, custom_generate=hf_dspark.dspark_generate, draft=draft,
+                          tree_top_k=3, verify_mode=mode, lookup_max_ngram=lookup, **kw)  # fmt: skip
     assert out.tolist() == ref.tolist()
-    assert draft.stats.tree_fallback == "batches of several rows verify chains"
+    stats = draft.stats
+    assert stats.tree_fallback is None and len(stats.verify_rounds[0]) == 3
+    assert min(map(len, stats.verify_rounds)) < 3  # finished rows left the batch
+    if mode == "fixed":  # every row's first round verifies a tree wider than a chain
+        assert min(stats.verify_rounds[0]) > 4
+
+
+def test_keep_paths_keeps_each_rows_path_in_order_and_pads_with_holes():
+    """After a batched tree verify, both caches keep each row's anchor + accepted path (gathered in order) and
+    nothing else; shorter paths are padded with holes that the cache mask marks."""
+    from transformers import DynamicCache
+
+    from hf_dspark.decoding.drafting import DraftContext
+    from hf_dspark.decoding.loop import DecodeState
+
+    target = tiny_target("llama")
+    R, S, W = 2, 3, 4  # 3 committed slots, then a verify block of 4 slots
+    cache = DynamicCache(config=target.config)
+    code = (10 * torch.arange(R)[:, None] + torch.arange(S + W)).float()  # entry = 10 · row + column
+    for layer in range(target.config.num_hidden_layers):
+        keys = code[:, None, :, None].expand(R, 2, S + W, 8).clone()
+        cache.update(keys, keys + 100, layer)
+    context = DraftContext([], [], torch.ones(R, S, dtype=torch.bool), torch.zeros(R, 0, dtype=torch.long))
+    state = DecodeState(torch.zeros(R, 12, dtype=torch.long), [4, 4], [False, False], cache,
+                        torch.tensor([[0, 1, 1], [1, 1, 1]]), context, torch.tensor([3, 3]), [0, 1])  # fmt: skip
+    fused, positions = code[:, S:, None].expand(R, W, 5), 3 + torch.tensor([[0, 1, 1, 2], [0, 1, 2, 3]])
+    state.keep_paths([[0, 2], [0, 1, 3]], fused, positions)
+    kept = torch.tensor([[S + 0, S + 2, S + 0], [10 + S, 10 + S + 1, 10 + S + 3]]).float()
+    for layer in cache.layers:
+        assert layer.keys.shape == (R, 2, S + 3, 8)
+        assert torch.equal(layer.keys[:, 0, :S, 0], code[:, :S]) and torch.equal(layer.keys[:, 0, S:, 0], kept)
+        assert torch.equal(layer.values[:, 1, S:, 3], kept + 100)
+    assert state.cache_mask.tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    queued_fused, queued_positions, queued_valid = context.pending[-1]
+    assert torch.equal(queued_fused[..., 0], kept) and queued_positions.tolist() == [[3, 4, 3], [3, 4, 6]]
+    assert queued_valid.tolist() == [[True, True, False], [True, True, True]]
 
 
 def test_sliding_window_targets_verify_chains_and_say_so():
@@ -341,8 +395,8 @@ def test_a_draft_vocabulary_gives_the_same_tree_without_the_full_vocabulary(head
                                                generator=torch.Generator().manual_seed(0)))  # fmt: skip
         ctx.extend(feats, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
         tree = TokenTree()
-        request = TreeRequest(torch.tensor([7, 8, 9, 10, 11, 12, 13]), torch.tensor(6), 4, 100, processors)
-        DraftTreeProposer(draft, ctx, top_k=3).propose(tree, request)
+        request = TreeRequest(0, torch.tensor([7, 8, 9, 10, 11, 12, 13]), torch.tensor(6), 4, 100, processors)
+        DraftTreeProposer(draft, ctx, top_k=3).propose([tree], [request])
         trees.append(tree)
     subset, full = trees
     assert len(subset) > 3 and subset.tokens == full.tokens and subset.parents == full.parents

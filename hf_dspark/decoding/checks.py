@@ -126,8 +126,13 @@ def honours_tree_mask(target) -> bool:
 
 
 def keep_cache_slots(cache, start: int, slots: torch.Tensor) -> None:
-    """Keep, of every layer's cache entries from ``start`` on, only ``slots`` [n] (indices past ``start``), in that
-    order: after a tree's verify, the accepted path."""
+    """Keep, of every layer's cache entries from ``start`` on, only ``slots`` [R, n] (per row, indices past
+    ``start``), in that order: after a tree's verify, each row's accepted path (padded with any slot; the caller's
+    attention mask marks the padding as holes)."""
     for layer in cache.layers:
-        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, start:].index_select(2, slots)], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, start:].index_select(2, slots)], 2)
+        keys, values = layer.keys, layer.values
+        index = slots[:, None, :, None]
+        kept_keys = keys[:, :, start:].gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[3]))
+        kept_values = values[:, :, start:].gather(2, index.expand(-1, values.shape[1], -1, values.shape[3]))
+        layer.keys = torch.cat([keys[:, :, :start], kept_keys], dim=2)
+        layer.values = torch.cat([values[:, :, :start], kept_values], dim=2)

@@ -59,9 +59,9 @@ class DecodingConfig:
         lookup_adaptive: a call's first lookup verifies at most γ tokens, each lookup accepted in full doubles that
             width up to ``lookup_max_tokens``, and one cut short sets it back to γ.
     Token trees (``hf_dspark.decoding.tree``):
-        tree_top_k: children per node (1: one chain). Above 1, a single-row call verifies a tree: the draft's top
-            ``tree_top_k`` tokens under each of the ``tree_top_k`` most valuable nodes of each depth, lookup
-            continuations as branches. Batches of several rows verify chains.
+        tree_top_k: children per node (1: one chain). Above 1, every row of a call verifies a tree of its own
+            (a batch in one forward): the draft's top ``tree_top_k`` tokens under each of the ``tree_top_k`` most
+            valuable nodes of each depth, lookup continuations as branches.
     """
 
     verify_mode: str = "auto"

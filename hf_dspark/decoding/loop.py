@@ -35,9 +35,9 @@ from .config import DecodingConfig
 from .drafting import DraftContext, LayerTap, Proposal, draft_block
 from .lm_head import verify_head
 from .lookup import lookups, one_hot_probs
-from .proposers import LookupProposer, TreeRequest, propose_tree, tree_proposers
+from .proposers import LookupProposer, TreeRequest, propose_trees, tree_proposers
 from .stats import DSparkStats
-from .tree import TokenTree, VerifiedTree, walk
+from .tree import TokenTree, VerifiedTree, tree_attention_mask, walk
 from .verify import probs, process, verify_row
 
 MAX_BACKOFF = 16  # most plain rounds in a row before the draft is asked again (scheduled/async modes)
@@ -154,13 +154,20 @@ class DecodeState:
         self.cache_mask = torch.cat([self.cache_mask, kept[:, :used].long()], dim=1)
         self.context.extend(fused[:, :used], positions[:, :used], kept[:, :used])
 
-    def keep_path(self, slots: list[int], fused: torch.Tensor, positions: torch.Tensor) -> None:
-        """After a one-row tree verify of [1, 1 + B] slots: keep in both caches only ``slots`` (the anchor and the
-        accepted path, in order), so the caches hold the committed tokens and nothing else."""
-        index = torch.tensor(slots, device=self.tokens.device)
+    def keep_paths(self, paths: list[list[int]], fused: torch.Tensor, positions: torch.Tensor) -> None:
+        """After a tree verify of [R, W] slots: keep in both caches only each row's ``paths[r]`` (its anchor and
+        accepted path, in order; empty for a row that keeps nothing), padded to the longest path with holes, so a
+        single row never carries holes and no row keeps a rejected branch."""
+        R, used = len(paths), max(len(path) for path in paths)
+        index = torch.zeros(R, used, dtype=torch.long, device=self.tokens.device)
+        kept = torch.zeros(R, used, dtype=torch.bool, device=self.tokens.device)
+        for r, path in enumerate(paths):
+            index[r, : len(path)] = torch.tensor(path, device=index.device)
+            kept[r, : len(path)] = True
         keep_cache_slots(self.cache, self.cache_mask.shape[1], index)
-        self.cache_mask = torch.cat([self.cache_mask, self.cache_mask.new_ones(1, len(slots))], dim=1)
-        self.context.extend(fused[:, index], positions[:, index], torch.ones_like(index, dtype=torch.bool)[None])
+        self.cache_mask = torch.cat([self.cache_mask, kept.long()], dim=1)
+        fused = fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1]))
+        self.context.extend(fused, positions.gather(1, index), kept)
 
     def compact(self) -> torch.Tensor:
         """Drop the finished rows from the batch and both caches (they stop costing verify and draft work):
@@ -461,15 +468,17 @@ def accept(
 
 @dataclass
 class TreeSchedule:
-    """Token-tree rounds for a call with one row (``settings.tree_top_k`` > 1): the proposers, how many nodes a
-    round verifies (``verify_limit``, ``None``: γ · ``tree_top_k``), and when not to draft.
+    """Token-tree rounds (``settings.tree_top_k`` > 1), each row its own tree: the proposers, how many nodes a row
+    verifies per round (``verify_limit``, ``None``: γ · ``tree_top_k``), and when not to draft.
 
-    ``fixed`` verifies the most valuable nodes up to the limit; ``threshold`` those worth at least
+    ``fixed`` verifies each row's most valuable nodes up to the limit; ``threshold`` those worth at least
     ``confidence_threshold``; ``scheduled``/``async`` run Algorithm 1 over the nodes: admit them in order of value
-    (parents first) while Θ(B) = (1 + Σ values) · SPS(1 + B) rises, stop at the first that does not raise it, with
-    the tree's drafting cost added to every step. A drafted round that was not worth a plain step in expectation
-    turns drafting off for ``backoff`` rounds (doubling, as for chains); lookup branches, which cost nothing to
-    draft, are still verified then."""
+    (parents first) while Θ(B) = (R + Σ values) · SPS(R · (1 + B)) rises, stop at the first that does not raise it,
+    with the trees' drafting cost added to every step. In a batch the unit of admission is a rank: the verify is
+    padded to the widest row, so the B-th best node of every row is admitted together (summed values), as chains
+    admit columns. A drafted round that was not worth a plain step in expectation turns drafting off for
+    ``backoff`` rounds (doubling, as for chains); lookup branches, which cost nothing to draft, are still verified
+    then."""
 
     settings: DecodingConfig
     draft_tokens: int
@@ -477,7 +486,7 @@ class TreeSchedule:
     lookup: LookupProposer | None
     recalibration: AcceptanceRecalibration | None = None  # the draft proposer's, fed here from each walk
     sps: SPSProfile | None = None
-    drafting: float = 0.0
+    drafting: float = 0.0  # seconds one row's tree drafting costs
     backoff: int = 0
     skip: int = 0
 
@@ -490,28 +499,43 @@ class TreeSchedule:
     def priced(self) -> bool:
         return self.settings.priced
 
-    def price(self, draft, target) -> None:
+    def price(self, draft, target, rows: int) -> None:
+        """Price verifies of ``rows`` batch rows up to the node budget, and one row's tree drafting."""
         if self.priced:
-            self.sps = sps_profile(draft, target, 1, max_width=self.budget + 1)
+            self.sps = sps_profile(draft, target, rows, max_width=self.budget + 1)
             self.drafting = tree_draft_seconds(draft, self.settings.tree_top_k)
 
-    def request(self, state: DecodeState, max_length: int, processors) -> TreeRequest:
-        room = state.room(max(self.draft_tokens, self.lookup.max_tokens if self.lookup else 0), max_length)[0]
-        request = TreeRequest(state.history(0), state.anchor_positions[0], room, self.budget, processors, not self.skip)
+    def requests(self, state: DecodeState, max_length: int, processors) -> list[TreeRequest]:
+        """One request per generating row."""
+        room = state.room(max(self.draft_tokens, self.lookup.max_tokens if self.lookup else 0), max_length)
+        draft = not self.skip
         self.skip = max(self.skip - 1, 0)
-        return request
+        return [
+            TreeRequest(r, state.history(r), state.anchor_positions[r], room[r], self.budget, processors, draft)
+            for r in state.active
+        ]
 
-    def select(self, tree: TokenTree, request: TreeRequest) -> list[int]:
-        s, ranked = self.settings, tree.ranked(request.max_depth)[: self.budget]
-        drafting = self.drafting if request.draft else 0.0
-        count, pays = choose_tree_nodes(
-            s.verify_mode, [tree.values[n] for n in ranked], self.sps, s.confidence_threshold, drafting
-        )
-        ranked = ranked[:count]
-        if self.priced and request.draft:  # back off when this drafted round is not worth a plain step in expectation
-            self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
-            self.skip = self.backoff
-        return sorted(ranked, key=lambda n: (tree.depths[n], n))
+    def select(self, trees: list[TokenTree], requests: list[TreeRequest], rows: int) -> list[list[int]]:
+        """Each request's verified nodes, parents before children, in a verify padded over ``rows`` batch rows."""
+        s = self.settings
+        ranked = [tree.ranked(request.max_depth)[: self.budget] for tree, request in zip(trees, requests, strict=True)]
+        values = [[tree.values[n] for n in nodes] for tree, nodes in zip(trees, ranked, strict=True)]
+        if self.priced:
+            summed = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
+            drafting = self.drafting * len(requests) if requests[0].draft else 0.0
+            count, pays = choose_tree_nodes(
+                s.verify_mode, summed, self.sps, s.confidence_threshold, drafting, rows, len(requests)
+            )
+            counts = [count] * len(ranked)
+            if requests[0].draft:  # back off when this drafted round is not worth a plain step in expectation
+                self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
+                self.skip = self.backoff
+        else:
+            counts = [choose_tree_nodes(s.verify_mode, v, None, s.confidence_threshold)[0] for v in values]
+        return [
+            sorted(nodes[:count], key=lambda n, tree=tree: (tree.depths[n], n))
+            for tree, nodes, count in zip(trees, ranked, counts, strict=True)
+        ]
 
     def observe(self, verified: VerifiedTree, path: list[int]) -> list[tuple[float, bool, bool]]:
         """After the walk: the lookup rate learns from the looked-up nodes the walk could have taken. -> the verified
@@ -544,40 +568,52 @@ class TreeSchedule:
 
 
 def tree_round(state: DecodeState, schedule: TreeSchedule, target, cache, tap, rules: Rules, outputs: Outputs,
-               max_length: int) -> None:  # fmt: skip
-    """One round of a one-row call: propose a tree, verify the chosen nodes in one forward (ancestor mask, depth
-    positions), walk the accepted path exactly, keep that path in both caches."""
-    request = schedule.request(state, max_length, rules.processors)
-    tree = propose_tree(schedule.proposers, request)
-    verified = VerifiedTree.of(tree, schedule.select(tree, request))
-    outputs.stats.verify_rounds.append([verified.size])
-    device, anchor = state.tokens.device, int(request.history[-1])
-    tokens = verified.tokens(anchor, device)
-    positions = verified.positions(int(request.anchor_position), device)
-    mask = verified.attention_mask(state.cache_mask, target.dtype)
+               max_length: int, pad_id: int) -> None:  # fmt: skip
+    """One round of trees: each generating row proposes its tree, the chosen nodes of every row are verified in one
+    forward ([R, W] slots, each row's ancestor mask, depth positions), each row walks its accepted path exactly, and
+    both caches keep exactly those paths."""
+    requests = schedule.requests(state, max_length, rules.processors)
+    trees = propose_trees(schedule.proposers, requests)
+    chosen = schedule.select(trees, requests, state.size)
+    verified: list[VerifiedTree | None] = [None] * state.size
+    for request, tree, nodes in zip(requests, trees, chosen, strict=True):
+        verified[request.row] = VerifiedTree.of(tree, nodes)
+    outputs.stats.verify_rounds.append([verified[r].size for r in state.active])
+    width, device = 1 + max(v.size for v in verified if v is not None), state.tokens.device
+    tokens = torch.full((state.size, width), pad_id, dtype=torch.long, device=device)
+    positions = state.anchor_positions[:, None].repeat(1, width)
+    for request in requests:
+        v, r = verified[request.row], request.row
+        tokens[r, : 1 + v.size] = v.tokens(int(request.history[-1]), device)[0]
+        positions[r, : 1 + v.size] = v.positions(int(request.anchor_position), device)[0]
+    mask = tree_attention_mask(verified, state.cache_mask, target.dtype)
     out, fused = target_forward(target, tokens, positions, mask, cache, tap)
-    raw = out.logits[0].float() if out.logits.dtype != torch.float64 else out.logits[0]
-    check_finite(raw)
-    result = walk(verified, raw, request.history, rules.processors, rules.do_sample)
-    n = len(result.slots)
-    new = torch.cat([tokens[0, result.slots], result.next_token[None]])
-    committed = state.commit(0, new, result.scores, rules.stopping)
-    edges = schedule.observe(verified, result.slots)
-    looked_up = any("lookup" in tree.sources[verified.nodes[s - 1]] for s in result.slots)
-    outputs.stats.record(verified.size, n, committed, None, looked_up, verified.depth(), edges)
-    if outputs.wanted:
-        outputs.emit(new[:committed], result.scores, raw[[0, *result.slots]])
-    state.anchor_positions[0] += n + 1
-    if not state.finished[0]:
-        state.keep_path([0, *result.slots], fused, positions)
+    raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
+    paths: list[list[int]] = [[] for _ in range(state.size)]
+    for request in requests:
+        r, v = request.row, verified[request.row]
+        check_finite(raw[r, : 1 + v.size])
+        result = walk(v, raw[r, : 1 + v.size], request.history, rules.processors, rules.do_sample)
+        n = len(result.slots)
+        new = torch.cat([tokens[r, result.slots], result.next_token[None]])
+        committed = state.commit(r, new, result.scores, rules.stopping)
+        edges = schedule.observe(v, result.slots)
+        looked_up = any("lookup" in v.tree.sources[v.nodes[s - 1]] for s in result.slots)
+        outputs.stats.record(v.size, n, committed, None, looked_up, v.depth(), edges)
+        if outputs.wanted:
+            outputs.emit(new[:committed], result.scores, raw[r, [0, *result.slots]])
+        state.anchor_positions[r] += n + 1
+        paths[r] = [0, *result.slots]
+    if state.active:
+        state.keep_paths(paths, fused, positions)
 
 
-def tree_schedule(draft, target, cache, settings: DecodingConfig, rows: int, stats: DSparkStats) -> TreeSchedule | None:
+def tree_schedule(draft, target, cache, settings: DecodingConfig, stats: DSparkStats) -> TreeSchedule | None:
     """The call's :class:`TreeSchedule`, or ``None`` (chains) when it did not ask for trees or cannot have them;
     the reason for the latter goes to ``stats.tree_fallback``."""
     if settings.tree_top_k == 1:
         return None
-    reason = "batches of several rows verify chains" if rows > 1 else tree_refusal(target, cache)
+    reason = tree_refusal(target, cache)
     if reason is not None:
         stats.tree_fallback = reason
         return None
@@ -627,15 +663,18 @@ def dspark_decode(
     schedule = Schedule(settings or draft.decoding.resolve(draft.confidence is not None), draft.config.num_draft_tokens)
     with LayerTap(target, draft) as tap:
         state = prefill(target, draft, input_ids, model_kwargs, cache, tap, rules, g.max_length, pad_id, outputs)
-        trees = tree_schedule(draft, target, cache, schedule.settings, batch, stats)
+        trees = tree_schedule(draft, target, cache, schedule.settings, stats)
         if trees is not None:
             trees.proposers[0].context = state.context
-            trees.price(draft, target)
+            trees.price(draft, target, state.size)
         else:
             schedule.price(draft, target, state.size, g.do_sample)
         while trees is not None and state.active:
-            stats.round_rows.append([state.rows[0]])
-            tree_round(state, trees, target, cache, tap, rules, outputs, g.max_length)
+            stats.round_rows.append([state.rows[r] for r in state.active])
+            tree_round(state, trees, target, cache, tap, rules, outputs, g.max_length, pad_id)
+            if compact and any(state.finished) and state.active:
+                state.compact()  # the draft proposer's context is the state's: it follows
+                trees.price(draft, target, profile_rows(state.size, batch))
         while state.active:
             stats.round_rows.append([state.rows[r] for r in state.active])
             plan = schedule.plan(state, g.max_length)

@@ -28,10 +28,12 @@ from .verify import process
 
 @dataclass
 class TreeRequest:
-    """What a round asks of the proposers for one row: its ``history`` [T] (committed tokens, the anchor last), the
-    anchor's position, the deepest node any proposer may add (``max_depth``: the room left before ``max_length``,
-    within the draft's block), the node budget the round may verify, and the call's logits processors."""
+    """What a round asks of the proposers for one row: the row's index ``row`` in the batch (and in the draft's
+    context), its ``history`` [T] (committed tokens, the anchor last), the anchor's position, the deepest node any
+    proposer may add (``max_depth``: the room left before ``max_length``, within the draft's block), the node budget
+    the round may verify, and the call's logits processors."""
 
+    row: int
     history: torch.Tensor
     anchor_position: torch.Tensor
     max_depth: int
@@ -41,7 +43,8 @@ class TreeRequest:
 
 
 class Proposer(Protocol):
-    def propose(self, tree: TokenTree, request: TreeRequest) -> None: ...
+    def propose(self, trees: list[TokenTree], requests: list[TreeRequest]) -> None:
+        """Add this proposer's candidates for ``requests[i]``'s row to ``trees[i]``."""
 
 
 @dataclass
@@ -65,17 +68,36 @@ class DraftTreeProposer:
     recalibration: AcceptanceRecalibration | None = None  # shifts c_k toward the call's observed acceptance
 
     @torch.no_grad()
-    def propose(self, tree: TokenTree, request: TreeRequest) -> None:
-        if not request.draft or request.max_depth == 0:
+    def propose(self, trees: list[TokenTree], requests: list[TreeRequest]) -> None:
+        drafting = [i for i, request in enumerate(requests) if request.draft and request.max_depth > 0]
+        if not drafting:
             return
-        draft, device = self.draft, request.history.device
-        anchor = request.history[-1:]
+        draft, context = self.draft, self.context
+        # one backbone pass for the whole batch (the context has a row for every batch row, generating or not; rows
+        # that do not draft this round get a placeholder anchor, and their block is not read)
+        rows = context.valid.shape[0]
+        anchors = torch.zeros(rows, dtype=torch.long, device=context.valid.device)
+        positions = torch.zeros_like(anchors)
+        for i in drafting:
+            anchors[requests[i].row] = requests[i].history[-1]
+            positions[requests[i].row] = requests[i].anchor_position
         # without processors and with a draft vocabulary, children are chosen inside it: the LM head and the head's
         # bias cover len(draft_vocab) columns, not V (the processors need the whole vocabulary)
-        subset = not request.logits_processor and draft.draft_vocab is not None
-        out = draft_backbone(draft, self.context, anchor, request.anchor_position.reshape(1), not subset)
-        hidden = out.hidden_states[0]
-        logits = draft.draft_vocab_logits(hidden) if subset else out.logits[0]
+        subset = not requests[0].logits_processor and draft.draft_vocab is not None
+        out = draft_backbone(draft, context, anchors, positions, not subset)
+        for i in drafting:
+            row = requests[i].row
+            hidden = out.hidden_states[row]
+            logits = draft.draft_vocab_logits(hidden) if subset else out.logits[row]
+            self.expand(trees[i], requests[i], hidden, logits, subset)
+
+    def expand(
+        self, tree: TokenTree, request: TreeRequest, hidden: torch.Tensor, logits: torch.Tensor, subset: bool
+    ) -> None:
+        """Grow one row's tree from its backbone block: ``hidden`` [block, d], base ``logits`` [block, V] (or
+        [block, len(draft_vocab)] when ``subset``), level by level through the sequential head."""
+        draft, device = self.draft, request.history.device
+        anchor = request.history[-1:]
         head, conf_head = draft.sequential_head, draft.confidence
         rows = draft.head_vocab_rows() if subset else draft.head_full_rows()
         temps, offset = draft.config.sts_temperatures, draft.config.draft_offset
@@ -144,11 +166,12 @@ class LookupProposer:
     def rate(self) -> float:
         return self.accepted / self.reached
 
-    def propose(self, tree: TokenTree, request: TreeRequest) -> None:
-        room = min(self.max_tokens, request.max_depth)
-        found = lookup_continuation(request.history, self.max_ngram, self.min_ngram, room)
-        if found.numel():
-            tree.add_path(found.tolist(), [self.rate] * found.shape[0], "lookup")
+    def propose(self, trees: list[TokenTree], requests: list[TreeRequest]) -> None:
+        for tree, request in zip(trees, requests, strict=True):
+            room = min(self.max_tokens, request.max_depth)
+            found = lookup_continuation(request.history, self.max_ngram, self.min_ngram, room)
+            if found.numel():
+                tree.add_path(found.tolist(), [self.rate] * found.shape[0], "lookup")
 
     def observe(self, reached: int, accepted: int) -> None:
         """``reached`` looked-up nodes whose parent was on the accepted path, ``accepted`` of them kept."""
@@ -156,12 +179,12 @@ class LookupProposer:
         self.accepted += accepted
 
 
-def propose_tree(proposers: list[Proposer], request: TreeRequest) -> TokenTree:
-    """One tree with every proposer's candidates, shared prefixes merged."""
-    tree = TokenTree()
+def propose_trees(proposers: list[Proposer], requests: list[TreeRequest]) -> list[TokenTree]:
+    """One tree per request with every proposer's candidates for its row, shared prefixes merged."""
+    trees = [TokenTree() for _ in requests]
     for proposer in proposers:
-        proposer.propose(tree, request)
-    return tree
+        proposer.propose(trees, requests)
+    return trees
 
 
 def tree_proposers(draft, settings, recalibration=None) -> list[Proposer]:

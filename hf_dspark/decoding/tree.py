@@ -7,6 +7,7 @@ every distinct prefix is one node.
 
     TokenTree.select    the nodes a round verifies: the most valuable, ancestors first (values fall along paths)
     VerifiedTree        those nodes as a verify block: tokens, depth positions, the ancestor mask
+    tree_attention_mask one verify of every row's tree: each row its own ancestor mask, padded to the widest
     walk                exact acceptance: descend while the target's own choice is a child
 
 The target sees the verified nodes in one forward: each attends to the committed cache and to its ancestors (a 4D
@@ -152,14 +153,27 @@ class VerifiedTree:
         return mask.to(device)
 
     def attention_mask(self, cache_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The target's 4D additive mask [1, 1, 1 + B, S + 1 + B] over the cache (``cache_mask`` [1, S], 1: holds a
-        committed token) and the tree: 0 where a slot may attend, the dtype's minimum elsewhere (eager attention
-        adds the mask, SDPA takes a float mask as a bias)."""
-        tree = self.ancestors(cache_mask.device)
-        cache = cache_mask.bool()[:, None, :].expand(1, tree.shape[0], -1)[0]
-        allowed = torch.cat([cache, tree], dim=1)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=cache_mask.device)
-        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+        """The target's 4D additive mask [1, 1, 1 + B, S + 1 + B] for this tree alone: :func:`tree_attention_mask`."""
+        return tree_attention_mask([self], cache_mask, dtype)
+
+
+def tree_attention_mask(trees: list[VerifiedTree | None], cache_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The target's 4D additive mask [R, 1, W, S + W] for one verify of each row's tree, padded to W = 1 + the
+    largest B: row r's slots attend to the row's committed cache slots (``cache_mask`` [R, S], 1: holds a committed
+    token) and to their own ancestors in the row's tree; padding slots, and every slot of a row without a tree
+    (``None``: it finished), attend to themselves alone (a row of the mask must allow something). 0 where a slot may
+    attend, the dtype's minimum elsewhere (eager attention adds the mask, SDPA takes a float mask as a bias)."""
+    R, S = cache_mask.shape
+    width = 1 + max((tree.size for tree in trees if tree is not None), default=0)
+    allowed = torch.zeros(R, width, S + width, dtype=torch.bool, device=cache_mask.device)
+    allowed[:, :, S:] = torch.eye(width, dtype=torch.bool, device=cache_mask.device)
+    for r, tree in enumerate(trees):
+        if tree is not None:
+            n = 1 + tree.size
+            allowed[r, :n, :S] = cache_mask[r].bool()
+            allowed[r, :n, S : S + n] = tree.ancestors(cache_mask.device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=cache_mask.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 @dataclass

@@ -129,9 +129,9 @@ def tree_draft_seconds(draft: DSparkDraftModel, top_k: int, context: int = 256, 
                    torch.ones(1, context, dtype=torch.bool, device=device))  # fmt: skip
         proposer = DraftTreeProposer(draft, ctx, top_k)
         # an unbounded budget: no early stop, the cost of the deepest tree this setting drafts
-        request = TreeRequest(torch.zeros(1, dtype=torch.long, device=device), torch.tensor(context, device=device),
+        request = TreeRequest(0, torch.zeros(1, dtype=torch.long, device=device), torch.tensor(context, device=device),
                               c.num_draft_tokens, 10**6, LogitsProcessorList())  # fmt: skip
-        table[key] = _median_seconds(lambda: proposer.propose(TokenTree(), request), device, reps)
+        table[key] = _median_seconds(lambda: proposer.propose([TokenTree()], [request]), device, reps)
     return table[key]
 
 

@@ -332,7 +332,13 @@ def column_plan(
 
 
 def choose_tree_nodes(
-    mode: str, values: list[float], sps: SPSProfile | None, threshold: float, draft_seconds: float = 0.0
+    mode: str,
+    values: list[float],
+    sps: SPSProfile | None,
+    threshold: float,
+    draft_seconds: float = 0.0,
+    rows: int = 1,
+    generating: int = 1,
 ) -> tuple[int, bool]:
     """How many of a tree's best nodes to verify, ``values`` being their path values (estimated probabilities that
     the target's walk reaches them) in the order :meth:`hf_dspark.decoding.tree.TokenTree.ranked` gives them (ancestors
@@ -342,16 +348,21 @@ def choose_tree_nodes(
     ``scheduled``/``async`` run Algorithm 1 over nodes: admit while τ·SPS(1 + B) rises, τ = 1 + Σ values, with the
     drafting cost ``draft_seconds`` added to every step, and stop at the first non-improvement (the early stop
     keeps the choice from depending on nodes below a rejected one). Drafting paid when the plan's expected rate
-    beats a plain step's (``sps(1)``) with at least one node."""
+    beats a plain step's (``sps(1)``) with at least one node.
+
+    A batch of ``rows`` rows, ``generating`` of them still generating, verifies [rows, 1 + B] slots: ``values[i]``
+    is then the sum over the generating rows of their (i + 1)-th best node's value, τ starts at ``generating`` (each
+    row's correction or bonus token), a step of width 1 + B costs 1 / SPS(rows · (1 + B)), and a plain step commits
+    ``generating`` tokens at SPS(rows)."""
     if mode == "threshold":
         return next((i for i, v in enumerate(values) if v < threshold), len(values)), True
     if mode not in PRICED_MODES:
         return len(values), True
     priced = sps.plus_seconds(draft_seconds)
-    tau, theta, chosen = 1.0, priced(1), 0
+    tau, theta, chosen = float(generating), generating * priced(rows), 0
     for B, value in enumerate(values, start=1):
         tau += value
-        if tau * priced(1 + B) <= theta:
+        if tau * priced(rows * (1 + B)) <= theta:
             break
-        theta, chosen = tau * priced(1 + B), B
-    return chosen, chosen > 0 and theta > sps(1)
+        theta, chosen = tau * priced(rows * (1 + B)), B
+    return chosen, chosen > 0 and theta > generating * sps(rows)
