@@ -267,6 +267,10 @@ def main() -> None:
         sizes = sorted({loop.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
         measure_sps(draft, *sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
         sps = {R: costs.sps_profile(draft, target, R).table for R in sizes}
+        for k in {TREE_MODES[name] for name in TREE_MODES if not args.modes or name in args.modes}:
+            costs.tree_draft_seconds(draft, k)  # what the tree modes price with, also measured before any timing
+            for R in sizes:
+                costs.sps_profile(draft, target, R, max_width=gamma * k + 1)
         draft_ms = {R: 1000 * costs.draft_seconds(draft, R) for R in sizes}
         rows = [
             run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats, args.prompts, args.modes)

@@ -128,11 +128,13 @@ def honours_tree_mask(target) -> bool:
 def keep_cache_slots(cache, start: int, slots: torch.Tensor) -> None:
     """Keep, of every layer's cache entries from ``start`` on, only ``slots`` [R, n] (per row, indices past
     ``start``), in that order: after a tree's verify, each row's accepted path (padded with any slot; the caller's
-    attention mask marks the padding as holes)."""
+    attention mask marks the padding as holes). The kept entries are written over the verified block's own columns
+    and the rest is cropped, so the committed prefix is not copied each round (the cache's own update already
+    copies it once per forward)."""
+    index = slots[:, None, :, None]
     for layer in cache.layers:
-        keys, values = layer.keys, layer.values
-        index = slots[:, None, :, None]
-        kept_keys = keys[:, :, start:].gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[3]))
-        kept_values = values[:, :, start:].gather(2, index.expand(-1, values.shape[1], -1, values.shape[3]))
-        layer.keys = torch.cat([keys[:, :, :start], kept_keys], dim=2)
-        layer.values = torch.cat([values[:, :, :start], kept_values], dim=2)
+        for name in ("keys", "values"):
+            entries = getattr(layer, name)
+            kept = entries[:, :, start:].gather(2, index.expand(-1, entries.shape[1], -1, entries.shape[3]))
+            entries[:, :, start : start + kept.shape[2]] = kept
+            setattr(layer, name, entries[:, :, : start + kept.shape[2]])
