@@ -158,12 +158,9 @@ class DecodeState:
         """After a tree verify of [R, W] slots: keep in both caches only each row's ``paths[r]`` (its anchor and
         accepted path, in order; empty for a row that keeps nothing), padded to the longest path with holes, so a
         single row never carries holes and no row keeps a rejected branch."""
-        R, used = len(paths), max(len(path) for path in paths)
-        index = torch.zeros(R, used, dtype=torch.long, device=self.tokens.device)
-        kept = torch.zeros(R, used, dtype=torch.bool, device=self.tokens.device)
-        for r, path in enumerate(paths):
-            index[r, : len(path)] = torch.tensor(path, device=index.device)
-            kept[r, : len(path)] = True
+        used, device = max(len(path) for path in paths), self.tokens.device
+        index = torch.tensor([path + [0] * (used - len(path)) for path in paths], device=device)  # one transfer
+        kept = torch.tensor([[True] * len(path) + [False] * (used - len(path)) for path in paths], device=device)
         keep_cache_slots(self.cache, self.cache_mask.shape[1], index)
         self.cache_mask = torch.cat([self.cache_mask, kept.long()], dim=1)
         fused = fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1]))
