@@ -98,6 +98,7 @@ def run_history(run: Path) -> list[dict]:
     entry = {
         "run": run.name,
         **{k: cfg[k] for k in ("steps", "lr", "seed", "anchors", "loss_weights")},
+        "layers_lr_scale": cfg.get("layers_lr_scale", 1.0),
         **recorded_data(recipe),
     }
     return [*runs_before(run), entry]
@@ -118,6 +119,7 @@ def unfinished_run(run: Path, step: int) -> dict:
         "run": run.name,
         "steps": step,
         **{k: recipe.get(k, default) for k, default in (("lr", 3e-3), ("seed", 0), ("anchors", 48))},
+        "layers_lr_scale": recipe.get("layers_lr", 1.0),
         "loss_weights": asdict(
             recipe_loss(*(recipe.get(k, d) for k, d in (("ce", 1.0), ("kd", 0.0), ("argmax", 0.0))))
         ),
@@ -146,6 +148,8 @@ def train_command(head: str, chain: list[dict]) -> str:
             cmd += f" --layers {r['layers']}"
         if r["lr"] != 3e-3:
             cmd += f" --lr {r['lr']:g}"
+        if r.get("layers_lr_scale", 1.0) != 1.0:
+            cmd += f" --layers-lr {r['layers_lr_scale']:g}"
         if r["seed"]:
             cmd += f" --seed {r['seed']}"
         if r.get("rows"):

@@ -119,7 +119,7 @@ def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
     path = out / "recipe.json"
     if not path.exists():
         keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd", "argmax", "layers",
-                "references")  # fmt: skip
+                "references", "layers_lr")  # fmt: skip
         recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}
         if recipe.get("references"):  # runs before this rule fitted CE to the reference text's own tokens
             recipe["reference_labels"] = "target distribution"
@@ -179,6 +179,8 @@ def main() -> None:
     ap.add_argument("--milestone-every", type=int, default=0, help="keep every checkpoint at multiples of this")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine to 0.1x)")
+    ap.add_argument("--layers-lr", type=float, default=1.0,
+                    help="the draft layers' lr as a multiple of --lr (they start as the target's)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="draws batches and anchors (use a new one to continue)")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="start from this finished draft's weights and draft vocabulary (a new run only)")  # fmt: skip
@@ -216,6 +218,7 @@ def main() -> None:
     cfg = TrainConfig(
         steps=args.steps,
         lr=args.lr,
+        layers_lr_scale=args.layers_lr,
         seed=args.seed,
         anchors=args.anchors,
         batch_size=1,

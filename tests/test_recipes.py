@@ -146,14 +146,14 @@ def test_an_unfinished_run_is_described_by_its_recipe(tmp_path):
     run = tmp_path / "stopped"
     args = argparse.Namespace(
         head="markov", steps=3000, anchors=64, lr=2e-3, seed=5, ce=0.0, kd=1.0, argmax=0.5, init_from=None,
-        references=True,
+        references=True, layers_lr=0.1,
     )  # fmt: skip
     run.mkdir()
     record_recipe(run, args, 4200)
     entry = unfinished_run(run, 1200)
     assert train_command("markov", [entry]) == (
-        "python -m recipes.smollm2_train --head markov --run stopped --steps 1200 --anchors 64 --lr 0.002 --seed 5"
-        " --rows 4200 --references --ce 0 --kd 1 --argmax 0.5"
+        "python -m recipes.smollm2_train --head markov --run stopped --steps 1200 --anchors 64 --lr 0.002"
+        " --layers-lr 0.1 --seed 5 --rows 4200 --references --ce 0 --kd 1 --argmax 0.5"
     )
     assert loss_terms(entry) == "0.1 TV + 1.0 confidence BCE + 1.0 KD + 0.5 CE on the target's argmax"
 

@@ -8,7 +8,14 @@ from hf_dspark.testing import char_tokenizer, tiny_rows, tiny_target
 from hf_dspark.training.data import frequent_tokens, load_dataset, read_prompts
 from hf_dspark.training.features import FeatureCache, target_outputs
 from hf_dspark.training.losses import DSparkTrainingModule, LossWeights, block_attention_mask, block_predictions
-from hf_dspark.training.trainer import TrainConfig, make_batch, saved_vocab, text_by_target, train
+from hf_dspark.training.trainer import (
+    TrainConfig,
+    make_batch,
+    parameter_groups,
+    saved_vocab,
+    text_by_target,
+    train,
+)
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +232,33 @@ def test_resume_gives_identical_parameters(setup, tmp_path):
     a, b = straight.state_dict(), resumed.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not list((tmp_path / "b").glob(".tmp-*"))
+
+
+def test_the_decoder_layers_can_train_at_a_scaled_learning_rate(setup, tmp_path):
+    """``layers_lr_scale`` puts the draft's decoder layers in their own optimizer group at lr * scale (through
+    warmup and decay); everything else trains at lr. Adam moves a parameter by about its lr a step, so after a few
+    steps the layers have moved about a hundredth as far as the fusion layer."""
+    target, rows = setup
+    torch.manual_seed(0)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    cfg = TrainConfig(steps=4, lr=1e-3, layers_lr_scale=0.01, anchors=4, batch_size=2, warmup_ratio=0.0)
+    module = DSparkTrainingModule(draft, cfg.loss_weights)
+    groups = parameter_groups(module, draft, cfg)
+    assert [len(g["params"]) for g in groups] == [
+        sum(1 for p in module.parameters() if p.requires_grad) - len(list(draft.layers.parameters())),
+        len(list(draft.layers.parameters())),
+    ]
+    assert groups[1]["lr"] == pytest.approx(1e-5) and "lr" not in groups[0]
+    assert len(parameter_groups(module, draft, TrainConfig())) == 1
+    with pytest.raises(ValueError, match="layers_lr_scale must be positive"):
+        parameter_groups(module, draft, TrainConfig(layers_lr_scale=0.0))
+
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    trained = train(target, draft, rows, tmp_path, cfg, progress=False, log=lambda s: None).state_dict()
+    moved = {k: (trained[k] - before[k]).abs().max().item() for k in before}
+    layers = max(v for k, v in moved.items() if k.startswith("layers."))
+    assert 0 < layers < cfg.steps * 1e-5 * 3
+    assert moved["fc.weight"] > 30 * layers
 
 
 def test_milestone_checkpoints_survive_pruning(setup, tmp_path):
