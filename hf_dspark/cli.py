@@ -190,6 +190,7 @@ def cmd_train(args) -> None:
     cfg = TrainConfig(
         steps=args.steps,
         lr=args.lr,
+        layers_lr_scale=args.layers_lr,
         batch_size=args.batch_size,
         anchors=args.anchors,
         max_length=args.max_length,
@@ -428,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps in all")
     p.add_argument("--stop-at", type=positive_int, default=None, help="end this run at that step (resume later)")
     p.add_argument("--lr", type=positive_float, default=6e-4, help="peak learning rate")
+    p.add_argument("--layers-lr", type=positive_float, default=1.0,
+                   help="the draft's decoder layers train at this multiple of --lr (copies of the target's layers "
+                   "may want less)")  # fmt: skip
     p.add_argument("--batch-size", type=positive_int, default=1, help="rows per step")
     p.add_argument("--anchors", type=positive_int, default=32, help="blocks drafted per row per step")
     p.add_argument("--max-length", type=positive_int, default=1024, help="rows are cut to this many tokens")

@@ -408,11 +408,14 @@ def test_cli_train_then_calibrate(setup, tmp_path):
             "4",
             "--save-every",
             "3",
+            "--layers-lr",
+            "0.5",
             "--feature-cache",
             str(tmp_path / "features"),
         ]
     )
     assert (out / "final" / "model.safetensors").is_file() and (out / "checkpoint-6").is_dir()
+    assert json.loads((out / "final" / "train_config.json").read_text())["layers_lr_scale"] == 0.5
     assert list((tmp_path / "features").rglob("*.safetensors"))  # the target's features were cached
     # trained over the 30 most frequent answer tokens + the tokenizer's special ids, and shipped with them
     vocab = json.loads((out / "draft_vocab.json").read_text())
