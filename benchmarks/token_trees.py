@@ -101,9 +101,13 @@ def report(saved: dict) -> str:
 
 
 @torch.no_grad()
-def tau_only(target, tokenizer, draft, datasets: list[str], limit: int, max_new_tokens: int, top_ks: list[int]) -> dict:
-    """The draft alone, fixed verify: τ of the chain and of each tree on every prompt (no timing, no plain run; the
-    tree's output must equal the chain's, both being plain greedy's). -> {dataset: {method: τ}}."""
+def tau_only(
+    target, tokenizer, draft, datasets: list[str], limit: int, max_new_tokens: int, top_ks: list[int],
+    max_nodes: int | None = None,
+) -> dict:  # fmt: skip
+    """The draft alone, fixed verify: τ of the chain and of each tree (at most ``max_nodes`` nodes, default γ · K) on
+    every prompt (no timing, no plain run; the tree's output must equal the chain's, both being plain greedy's).
+    -> {dataset: {method: τ}}."""
     from hf_dspark.evaluation.evaluate import load_prompts
 
     gamma, taus = draft.config.num_draft_tokens, {}
@@ -115,7 +119,8 @@ def tau_only(target, tokenizer, draft, datasets: list[str], limit: int, max_new_
             outs = {}
             for k in [1, *top_ks]:
                 name = "chain-fixed" if k == 1 else f"tree{k}-fixed"
-                settings = dict(verify_mode="fixed", verify_limit=gamma * k, lookup_max_ngram=0, tree_top_k=k)
+                nodes = gamma if k == 1 else max_nodes or gamma * k
+                settings = dict(verify_mode="fixed", verify_limit=nodes, lookup_max_ngram=0, tree_top_k=k)
                 out = target.generate(ids, custom_generate=hf_dspark.dspark_generate, draft=draft,
                                       max_new_tokens=max_new_tokens, do_sample=False, **settings)  # fmt: skip
                 outs[name] = out.tolist()
@@ -140,6 +145,8 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="only write <out>/token_trees.md from the saved JSON")
     ap.add_argument("--tau-only", action="store_true",
                     help="only τ of the draft alone (fixed), chain vs trees, into <out>/tau_only.json")  # fmt: skip
+    ap.add_argument("--max-nodes", type=int, default=None,
+                    help="--tau-only: verify at most this many nodes per tree (default: γ · K)")  # fmt: skip
     args = ap.parse_args()
     if args.report:
         page = report(json.loads((args.out / "token_trees.json").read_text()))
@@ -150,8 +157,11 @@ def main() -> None:
     target, tokenizer = load_target(torch.float32)
     draft = DSparkDraftModel.from_pretrained(args.draft).attach(target).eval()
     if args.tau_only:
-        taus = tau_only(target, tokenizer, draft, args.datasets, args.limit, args.max_new_tokens, args.top_k)
-        setting = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "dtype": "float32", "mode": "fixed"}
+        taus = tau_only(
+            target, tokenizer, draft, args.datasets, args.limit, args.max_new_tokens, args.top_k, args.max_nodes
+        )
+        setting = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "dtype": "float32", "mode": "fixed",
+                   "max_nodes": args.max_nodes}  # fmt: skip
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tau_only.json").write_text(json.dumps({"setting": setting, "tau": taus}, indent=1))
         return

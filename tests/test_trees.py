@@ -407,6 +407,45 @@ def test_a_draft_vocabulary_gives_the_same_tree_without_the_full_vocabulary(head
     assert _tree_generate(target, draft, ids, max_new_tokens=16, tree_top_k=3).tolist() == ref.tolist()
 
 
+@pytest.mark.parametrize("top_k", [3, 8])
+def test_a_budget_drafts_fewer_nodes_but_selects_the_unbounded_trees_best(top_k):
+    """A round's node budget B bounds what the proposer adds (at most B children a depth, at most ``TREE_BEAM``
+    parents expanded), and the B nodes selected are the same token paths, values and order as in the tree drafted
+    without a budget."""
+    from hf_dspark.decoding.drafting import DraftContext
+    from hf_dspark.decoding.proposers import TREE_BEAM, DraftTreeProposer, TreeRequest
+
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 3.0)
+
+    def drafted(budget: int) -> TokenTree:
+        ctx = DraftContext.empty(draft, 1, torch.device("cpu"))
+        feats = draft.fuse_context(torch.randn(1, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64,
+                                               generator=torch.Generator().manual_seed(1)))  # fmt: skip
+        ctx.extend(feats, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
+        tree = TokenTree()
+        request = TreeRequest(0, torch.tensor([7, 8, 9]), torch.tensor(6), 5, budget, LogitsProcessorList())
+        DraftTreeProposer(draft, ctx, top_k=top_k).propose([tree], [request])
+        return tree
+
+    def paths(tree: TokenTree, nodes: list[int]) -> list[tuple[tuple[int, ...], float]]:
+        def path(n):
+            return () if n < 0 else (*path(tree.parents[n]), tree.tokens[n])
+
+        return [(path(n), tree.values[n]) for n in nodes]
+
+    unbounded = drafted(10**6)
+    expanded = min(top_k, TREE_BEAM)
+    assert max(unbounded.depths) == 5 and len(unbounded) == top_k + 4 * expanded * top_k
+    for budget in (1, 5, 12):
+        tree = drafted(budget)
+        assert all(tree.depths.count(d) <= budget for d in range(1, 6))
+        assert len(tree) < len(unbounded) if budget < expanded * top_k else len(tree) == len(unbounded)
+        assert paths(tree, tree.select(budget, 5)) == paths(unbounded, unbounded.select(budget, 5))
+
+
 def test_tree_scores_and_streamer_match_plain_generate():
     """output_scores / output_logits and a streamer see each committed token once, with plain generate's scores."""
     from transformers.generation.streamers import BaseStreamer

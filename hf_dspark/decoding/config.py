@@ -60,8 +60,8 @@ class DecodingConfig:
             width up to ``lookup_max_tokens``, and one cut short sets it back to γ.
     Token trees (``hf_dspark.decoding.tree``):
         tree_top_k: children per node (1: one chain). Above 1, every row of a call verifies a tree of its own
-            (a batch in one forward): the draft's top ``tree_top_k`` tokens under each of the ``tree_top_k`` most
-            valuable nodes of each depth, lookup continuations as branches.
+            (a batch in one forward): the draft's top ``tree_top_k`` tokens under each of the ``min(tree_top_k, 4)``
+            most valuable nodes of each depth, lookup continuations as branches.
     """
 
     verify_mode: str = "auto"

@@ -47,14 +47,18 @@ class Proposer(Protocol):
         """Add this proposer's candidates for ``requests[i]``'s row to ``trees[i]``."""
 
 
+TREE_BEAM = 4  # nodes expanded per depth at most: with 32 nodes, 8-16 children under 4 parents beat 8 under 8 (τ)
+
+
 @dataclass
 class DraftTreeProposer:
     """The draft's tree: one backbone pass gives every slot's base logits U_k and hidden state h_k; the sequential
     head, which is the only part that depends on the tokens already in the block, is then evaluated once per
     expanded node (its own previous token, its own RNN state), so children of any node cost one low-rank head step.
 
-    At depth k the ``beam`` most valuable nodes of depth k - 1 are expanded into their ``top_k`` most likely
-    tokens (under the draft's processed distribution q). A child's edge value is the confidence head's c_k for
+    At depth k the ``beam`` (default: ``top_k``, at most ``TREE_BEAM``) most valuable nodes of depth k - 1 are
+    expanded into their ``top_k`` most likely tokens (under the draft's processed distribution q), of which the
+    round's ``budget`` most valuable enter the tree. A child's edge value is the confidence head's c_k for
     the parent's top child (the probability that the target keeps the draft's choice) and
     (1 - c_k) · q(x) / (1 - q(top)) for the others (the rest of the mass, shared as the draft shares it); without
     a confidence head, q(x). With ``recalibration`` (scheduled trees), c_k is first shifted toward the acceptance
@@ -102,7 +106,7 @@ class DraftTreeProposer:
         rows = draft.head_vocab_rows() if subset else draft.head_full_rows()
         temps, offset = draft.config.sts_temperatures, draft.config.draft_offset
         depth = min(request.max_depth, draft.config.num_draft_tokens)
-        beam = self.beam or self.top_k
+        beam = self.beam or min(self.top_k, TREE_BEAM)
         frontier, paths, state = [-1], [anchor], None  # nodes to expand, their paths' tokens, their head states
         for k in range(depth):
             slot = k + offset
@@ -132,14 +136,20 @@ class DraftTreeProposer:
                 c = raw if self.recalibration is None else self.recalibration.apply(raw, start=k)
                 rest = (1 - edges[:, :1]).clamp_min(1e-12)
                 edges = torch.cat([c[:, None], (1 - c[:, None]) * (edges[:, 1:] / rest).clamp(max=1)], dim=1)
-            children = []
-            for i, parent in enumerate(frontier):
-                for j in range(x_top.shape[1]):
-                    node = tree.add(parent, int(x_top[i, j]), float(edges[i, j]), "draft", top=j == 0)
-                    if j == 0 and conf_head is not None:
-                        tree.confidences[node] = float(raw[i])
-                    children.append((tree.values[node], node, i, j))
-            children.sort(key=lambda c: -c[0])
+            # only this depth's `budget` most valuable children can enter the round's best `budget` nodes (each
+            # child below them has `budget` better nodes of its own depth, and their ancestors, ahead of it)
+            bases = torch.tensor([1.0 if p < 0 else tree.values[p] for p in frontier], dtype=torch.float64)
+            values = (bases[:, None] * edges.cpu()).flatten()
+            best = values.topk(min(values.numel(), request.budget)).indices.tolist()
+            tokens, edge_list = x_top.tolist(), edges.tolist()
+            raws = raw.tolist() if conf_head is not None else None
+            width, children = x_top.shape[1], []
+            for flat in best:
+                i, j = divmod(flat, width)
+                node = tree.add(frontier[i], tokens[i][j], edge_list[i][j], "draft", top=j == 0)
+                if j == 0 and raws is not None:
+                    tree.confidences[node] = raws[i]
+                children.append((tree.values[node], node, i, j))
             kept = [c for c in children[:beam] if c[0] > 0]
             ranked = sorted(tree.values, reverse=True)
             if not kept or (len(ranked) >= request.budget and ranked[request.budget - 1] >= kept[0][0]):
