@@ -138,8 +138,9 @@ class DraftTreeProposer:
                 edges = torch.cat([c[:, None], (1 - c[:, None]) * (edges[:, 1:] / rest).clamp(max=1)], dim=1)
             # only this depth's `budget` most valuable children can enter the round's best `budget` nodes (each
             # child below them has `budget` better nodes of its own depth, and their ancestors, ahead of it)
+            edges = edges.cpu()  # one transfer: the tree is host-side bookkeeping
             bases = torch.tensor([1.0 if p < 0 else tree.values[p] for p in frontier], dtype=torch.float64)
-            values = (bases[:, None] * edges.cpu()).flatten()
+            values = (bases[:, None] * edges).flatten()
             best = values.topk(min(values.numel(), request.budget)).indices.tolist()
             tokens, edge_list = x_top.tolist(), edges.tolist()
             raws = raw.tolist() if conf_head is not None else None
