@@ -1,5 +1,8 @@
 """Training: losses go down, the frozen target stays frozen, no leakage from the future, exact resume."""
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -259,6 +262,22 @@ def test_the_decoder_layers_can_train_at_a_scaled_learning_rate(setup, tmp_path)
     layers = max(v for k, v in moved.items() if k.startswith("layers."))
     assert 0 < layers < cfg.steps * 1e-5 * 3
     assert moved["fc.weight"] > 30 * layers
+
+
+def test_a_run_resumes_only_at_its_own_layer_learning_rate(setup, tmp_path):
+    """The optimizer state holds one group per learning rate, so a checkpoint saved at one ``layers_lr_scale`` is
+    refused by name at another (before accelerate's load fails on the group count), and resumes at its own."""
+    target, rows = setup
+    cfg = TrainConfig(steps=4, lr=3e-3, anchors=4, batch_size=2, save_every=2, layers_lr_scale=0.1)
+    quiet = dict(progress=False, log=lambda s: None)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    train(target, draft, rows, tmp_path, cfg, stop_at=2, **quiet)
+    assert json.loads((tmp_path / "checkpoint-2" / "step.json").read_text()) == {"step": 2, "layers_lr_scale": 0.1}
+    for other in [1.0, 0.5]:
+        with pytest.raises(ValueError, match=rf"trained with layers_lr_scale=0.1, not {other}"):
+            train(target, draft, rows, tmp_path, replace(cfg, layers_lr_scale=other), **quiet)
+    train(target, draft, rows, tmp_path, cfg, **quiet)
+    assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
 def test_milestone_checkpoints_survive_pruning(setup, tmp_path):

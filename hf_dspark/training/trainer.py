@@ -196,8 +196,15 @@ def train(
     vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).flatten()
     _check_vocab(out_dir, vocab, write=acc.is_main_process)
     if latest is not None:
+        saved = json.loads((latest / "step.json").read_text())
+        # the optimizer state holds one group per learning rate; checkpoints older than the setting trained at 1.0
+        if saved.get("layers_lr_scale", 1.0) != cfg.layers_lr_scale:
+            raise ValueError(
+                f"{latest} was trained with layers_lr_scale={saved.get('layers_lr_scale', 1.0)}, not "
+                f"{cfg.layers_lr_scale}: resume it with the same setting or start a new run folder"
+            )
         acc.load_state(str(latest))
-        start = json.loads((latest / "step.json").read_text())["step"]
+        start = saved["step"]
         log(f"resumed from {latest} at step {start}")
 
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
@@ -224,7 +231,8 @@ def train(
             log(json.dumps(rec))
             bar.set_postfix(loss=rec["loss"])
         if (step + 1) % cfg.save_every == 0 or step + 1 == end:
-            save_checkpoint(acc, out_dir, step + 1, cfg.keep_checkpoints, cfg.milestone_every)
+            meta = {"layers_lr_scale": cfg.layers_lr_scale}
+            save_checkpoint(acc, out_dir, step + 1, cfg.keep_checkpoints, cfg.milestone_every, meta)
     final = acc.unwrap_model(module).draft
     if vocab is not None and end == cfg.steps:  # the finished draft decodes over what it was trained on
         final.set_draft_vocab(vocab)
@@ -235,9 +243,12 @@ def train(
     return final
 
 
-def save_checkpoint(acc, out_dir: Path, step: int, keep: int, milestone_every: int = 0) -> Path:
+def save_checkpoint(
+    acc, out_dir: Path, step: int, keep: int, milestone_every: int = 0, meta: dict | None = None
+) -> Path:
     """Atomic: save into ``.tmp-checkpoint-<step>`` then rename; prune to the ``keep`` newest, sparing steps that
-    are multiples of ``milestone_every`` (when > 0)."""
+    are multiples of ``milestone_every`` (when > 0). ``step.json`` holds the step and ``meta`` (settings a resume
+    must match)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"checkpoint-{step}"
     tmp = out_dir / f".tmp-checkpoint-{step}"
@@ -248,7 +259,7 @@ def save_checkpoint(acc, out_dir: Path, step: int, keep: int, milestone_every: i
     # every process writes its own RNG state into tmp, and save_state does not wait: rename only once all have
     acc.wait_for_everyone()
     if acc.is_main_process:
-        (tmp / "step.json").write_text(json.dumps({"step": step}))
+        (tmp / "step.json").write_text(json.dumps({"step": step, **(meta or {})}))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
