@@ -1,7 +1,7 @@
 """Token trees against chains, same weights: τ and speed on the shipped eval sets, side by side in one run.
 
     python -m benchmarks.token_trees [--datasets humaneval gsm8k mt-bench] [--limit 30] [--max-new-tokens 96]
-        [--top-k 2 4] [--threads 2] [--out benchmarks/results/token_trees]
+        [--top-k 2 4] [--max-nodes 32] [--no-fixed] [--threads 2] [--out benchmarks/results/token_trees]
 
 The embedded SmolLM2 target and the shipped draft, greedy, in float32 on a CPU without bfloat16 units (forced to
 float32 everywhere, so the numbers are comparable across machines), 128 new tokens by default. Methods, interleaved
@@ -9,7 +9,8 @@ prompt by prompt through ``hf-dspark bench``'s loop (every output checked agains
 
     plain, prompt-lookup       transformers' own (``prompt_lookup_num_tokens=10``)
     chain-fixed                the draft alone, γ = 8 verified every round (the τ baseline)
-    treeK-fixed                the draft alone, a tree of top-K children per node, at most 8·K nodes per round
+    treeK-fixed                the draft alone, a tree of top-K children per node, at most 8·K (or --max-nodes)
+                               nodes per round
     chain-scheduled+lookup     the shipped configuration before trees (scheduled, lookup replaces the block)
     treeK-scheduled+lookup     trees with lookup branches, nodes chosen by the scheduler
 
@@ -47,7 +48,11 @@ def ece(pairs: list[tuple[float, bool]], bins: int = 10) -> float | None:
     return total / len(pairs)
 
 
-def methods(target, draft, top_ks: list[int], edges: dict[str, list]) -> list[Method]:
+def methods(
+    target, draft, top_ks: list[int], edges: dict[str, list], max_nodes: int | None = None, fixed: bool = True
+) -> list[Method]:
+    """The compared methods; trees verify at most ``max_nodes`` nodes a round (default γ · K); ``fixed=False``
+    leaves out the fixed-verify rows (their τ is measured on more prompts by ``--tau-only``)."""
     gamma = draft.config.num_draft_tokens
 
     def dspark(name: str, **settings) -> Method:
@@ -63,14 +68,16 @@ def methods(target, draft, top_ks: list[int], edges: dict[str, list]) -> list[Me
         Method(
             "prompt-lookup", lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=10, **kw), baseline=True
         ),
-        dspark("chain-fixed", verify_mode="fixed", verify_limit=gamma, lookup_max_ngram=0, tree_top_k=1),
     ]
-    for k in top_ks:
-        chosen.append(dspark(f"tree{k}-fixed", verify_mode="fixed", verify_limit=gamma * k, lookup_max_ngram=0,
-                             tree_top_k=k))  # fmt: skip
+    if fixed:
+        chosen.append(dspark("chain-fixed", verify_mode="fixed", verify_limit=gamma, lookup_max_ngram=0, tree_top_k=1))
+        for k in top_ks:
+            chosen.append(dspark(f"tree{k}-fixed", verify_mode="fixed", verify_limit=max_nodes or gamma * k,
+                                 lookup_max_ngram=0, tree_top_k=k))  # fmt: skip
     chosen.append(dspark("chain-scheduled+lookup", verify_mode="scheduled", tree_top_k=1))
     for k in top_ks:
-        chosen.append(dspark(f"tree{k}-scheduled+lookup", verify_mode="scheduled", tree_top_k=k))
+        chosen.append(dspark(f"tree{k}-scheduled+lookup", verify_mode="scheduled", verify_limit=max_nodes,
+                             tree_top_k=k))  # fmt: skip
     return chosen
 
 
@@ -146,7 +153,9 @@ def main() -> None:
     ap.add_argument("--tau-only", action="store_true",
                     help="only τ of the draft alone (fixed), chain vs trees, into <out>/tau_only.json")  # fmt: skip
     ap.add_argument("--max-nodes", type=int, default=None,
-                    help="--tau-only: verify at most this many nodes per tree (default: γ · K)")  # fmt: skip
+                    help="verify at most this many nodes per tree and round (default: γ · K)")  # fmt: skip
+    ap.add_argument("--no-fixed", action="store_true",
+                    help="time only plain, prompt lookup and the scheduled methods")  # fmt: skip
     args = ap.parse_args()
     if args.report:
         page = report(json.loads((args.out / "token_trees.json").read_text()))
@@ -166,10 +175,15 @@ def main() -> None:
         (args.out / "tau_only.json").write_text(json.dumps({"setting": setting, "tau": taus}, indent=1))
         return
     edges: dict[str, list] = {}
-    chosen = methods(target, draft, args.top_k, edges)
+    chosen = methods(target, draft, args.top_k, edges, args.max_nodes, fixed=not args.no_fixed)
     args.out.mkdir(parents=True, exist_ok=True)
     setting = {"draft": str(args.draft), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-               "top_k": args.top_k, "dtype": "float32", "threads": args.threads}  # fmt: skip
+               "top_k": args.top_k, "dtype": "float32", "threads": args.threads, "max_nodes": args.max_nodes,
+               "fixed": not args.no_fixed}  # fmt: skip
+    # one-time costs (every verify profile a tree prices with, out to its node budget) before anything is timed
+    warm = tokenizer("def fibonacci(n):", return_tensors="pt")["input_ids"]
+    for m in chosen:
+        m.run(warm, max_new_tokens=8, do_sample=False)
     results, calibration = [], {}
     for dataset in args.datasets:
         edges.clear()
