@@ -7,7 +7,8 @@ For R concurrent prompts of mixed domains (first turns of gsm8k, humaneval, mt-b
 ``--prompts`` of them per R, run as batches of R, so a small R is not one prompt's luck): total tokens/s of
 plain batched ``generate``, DSpark ``fixed`` with γ ∈ {2, 4, 8} (``verify_limit``), ``scheduled``,
 ``scheduled-packed`` (the paper's per-token Algorithm 1, which prices a token as one slot although this loop
-verifies a padded [R, 1 + ℓ] block), ``async``, and a measured hindsight oracle: a run in which each row verifies
+verifies a padded [R, 1 + ℓ] block), ``async``, ``scheduled-tree-K`` (each row its own token tree of top-K children,
+at most 16 nodes for K = 2 and 32 for K = 4 and 16), and a measured hindsight oracle: a run in which each row verifies
 exactly the draft tokens that plain greedy's output shows were going to be accepted (no rejected token is ever
 verified). The oracle bounds what a verify-length policy can gain where a verify step's cost grows with its
 tokens; where it does not (bfloat16 on CPUs with native bf16 units, up to ~10 tokens), verifying more costs
@@ -99,7 +100,8 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
         loop.draft_block, loop.choose_lengths = real_draft, real_choose
 
 
-TREE_MODES = {"scheduled-tree-2": 2, "scheduled-tree-4": 4}  # each row its own token tree, top-K children per node
+# each row its own token tree: (top-K children per node, most nodes a row verifies per round)
+TREE_MODES = {"scheduled-tree-2": (2, 16), "scheduled-tree-4": (4, 32), "scheduled-tree-16": (16, 32)}
 
 
 def run_modes(
@@ -135,9 +137,9 @@ def run_modes(
                     references[b] = out.tolist()
                 else:
                     mode, limit = setting
-                    tree_top_k = TREE_MODES.get(name, 1)
+                    tree_top_k, nodes = TREE_MODES.get(name, (1, gamma))
                     settings = {
-                        "verify_mode": mode, "verify_limit": limit or gamma * tree_top_k, "tree_top_k": tree_top_k,
+                        "verify_mode": mode, "verify_limit": limit or nodes, "tree_top_k": tree_top_k,
                         "verify_layout": "packed" if name.endswith("-packed") else "padded",
                         # the shipped lookup drafting, for its own row only: the others compare verify modes
                         "lookup_max_ngram": 3 if name.endswith("+lookup") else 0,
@@ -267,10 +269,10 @@ def main() -> None:
         sizes = sorted({loop.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
         measure_sps(draft, *sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
         sps = {R: costs.sps_profile(draft, target, R).table for R in sizes}
-        for k in {TREE_MODES[name] for name in TREE_MODES if not args.modes or name in args.modes}:
+        for k, nodes in {TREE_MODES[name] for name in TREE_MODES if not args.modes or name in args.modes}:
             costs.tree_draft_seconds(draft, k)  # what the tree modes price with, also measured before any timing
             for R in sizes:
-                costs.sps_profile(draft, target, R, max_width=gamma * k + 1)
+                costs.sps_profile(draft, target, R, max_width=nodes + 1)
         draft_ms = {R: 1000 * costs.draft_seconds(draft, R) for R in sizes}
         rows = [
             run_modes(target, draft, tokenizer, R, args.max_new_tokens, args.repeats, args.prompts, args.modes)
