@@ -325,6 +325,56 @@ def test_keep_paths_keeps_each_rows_path_in_order_and_pads_with_holes():
     assert queued_valid.tolist() == [[True, True, False], [True, True, True]]
 
 
+def test_keep_paths_crops_when_every_path_is_its_slots_prefix(monkeypatch):
+    """When each row keeps slots 0, 1, ..., n (a plain step, or only top children accepted) the cache is cropped
+    rather than gathered: the same entries in the same columns, a shorter row's extra columns marked as holes."""
+    from transformers import DynamicCache
+
+    from hf_dspark.decoding import loop
+    from hf_dspark.decoding.drafting import DraftContext
+    from hf_dspark.decoding.loop import DecodeState
+
+    monkeypatch.setattr(loop, "keep_cache_slots", lambda *a: pytest.fail("gathered a prefix path"))
+    target = tiny_target("llama")
+    R, S, W = 2, 3, 4
+    cache = DynamicCache(config=target.config)
+    code = (10 * torch.arange(R)[:, None] + torch.arange(S + W)).float()
+    for layer in range(target.config.num_hidden_layers):
+        keys = code[:, None, :, None].expand(R, 2, S + W, 8).clone()
+        cache.update(keys, keys + 100, layer)
+    context = DraftContext([], [], torch.ones(R, S, dtype=torch.bool), torch.zeros(R, 0, dtype=torch.long))
+    state = DecodeState(torch.zeros(R, 12, dtype=torch.long), [4, 4], [False, False], cache,
+                        torch.ones(R, S, dtype=torch.long), context, torch.tensor([3, 3]), [0, 1])  # fmt: skip
+    fused, positions = code[:, S:, None].expand(R, W, 5), 3 + torch.arange(W).expand(R, W)
+    state.keep_paths([[0, 1], [0, 1, 2]], fused, positions)
+    for layer in cache.layers:
+        assert layer.keys.shape == (R, 2, S + 3, 8)
+        assert torch.equal(layer.keys[:, 0, :, 0], code[:, : S + 3])
+        assert torch.equal(layer.values[:, 1, :, 3], code[:, : S + 3] + 100)
+    assert state.cache_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    assert context.pending[-1][2].tolist() == [[True, True, False], [True, True, True]]
+
+
+def test_a_single_chain_shaped_tree_verifies_with_plain_causal_attention():
+    """One row whose verified tree is a chain, on a cache without holes, needs no 4D mask (the cheaper causal
+    path); a branch, a second row or a hole in the cache brings the tree mask back."""
+    from hf_dspark.decoding.loop import tree_verify_mask
+
+    class State:
+        def __init__(self, cache_mask):
+            self.cache_mask = torch.tensor(cache_mask)
+
+    tree = _tree()
+    chain = VerifiedTree.of(tree, [0, 2])  # 5 → 7: slot 2's parent is slot 1
+    branched = VerifiedTree.of(tree, [0, 1])  # 5 and 6, both children of the anchor
+    assert chain.is_chain and not branched.is_chain and VerifiedTree.of(tree, []).is_chain
+    assert tree_verify_mask(State([[1, 1, 1]]), [chain], torch.float32) is None
+    assert tree_verify_mask(State([[1, 1, 1]]), [VerifiedTree.of(tree, [])], torch.float32) is None
+    assert tree_verify_mask(State([[1, 1, 1]]), [branched], torch.float32).shape == (1, 1, 3, 6)
+    assert tree_verify_mask(State([[0, 1, 1]]), [chain], torch.float32).shape == (1, 1, 3, 6)
+    assert tree_verify_mask(State([[1, 1, 1], [1, 1, 1]]), [chain, chain], torch.float32).shape == (2, 1, 3, 6)
+
+
 def test_sliding_window_targets_verify_chains_and_say_so():
     config = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=6, pad_token_id=0)  # fmt: skip

@@ -161,7 +161,10 @@ class DecodeState:
         used, device = max(len(path) for path in paths), self.tokens.device
         index = torch.tensor([path + [0] * (used - len(path)) for path in paths], device=device)  # one transfer
         kept = torch.tensor([[True] * len(path) + [False] * (used - len(path)) for path in paths], device=device)
-        keep_cache_slots(self.cache, self.cache_mask.shape[1], index)
+        if all(path == list(range(len(path))) for path in paths):  # every path is its slots' prefix: crop, no copy
+            self.cache.crop(-(positions.shape[1] - used))  # a padded row's extra slots become holes (kept False)
+        else:
+            keep_cache_slots(self.cache, self.cache_mask.shape[1], index)
         self.cache_mask = torch.cat([self.cache_mask, kept.long()], dim=1)
         fused = fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1]))
         self.context.extend(fused, positions.gather(1, index), kept)
@@ -564,6 +567,16 @@ class TreeSchedule:
         return edges
 
 
+def tree_verify_mask(state: DecodeState, verified: list[VerifiedTree | None], dtype: torch.dtype):
+    """The target's mask for a tree verify: ``None`` (plain causal attention, the cheaper path; on a CPU a 4D mask
+    costs about 2 ms a step) when the batch is one row whose tree is a chain (each slot's parent the slot before:
+    a plain step, or only top children verified) on a cache without holes, else :func:`tree_attention_mask`."""
+    (tree,) = verified if len(verified) == 1 else (None,)
+    if tree is not None and tree.is_chain and bool(state.cache_mask.all()):
+        return None
+    return tree_attention_mask(verified, state.cache_mask, dtype)
+
+
 def tree_round(state: DecodeState, schedule: TreeSchedule, target, cache, tap, rules: Rules, outputs: Outputs,
                max_length: int, pad_id: int) -> None:  # fmt: skip
     """One round of trees: each generating row proposes its tree, the chosen nodes of every row are verified in one
@@ -583,8 +596,7 @@ def tree_round(state: DecodeState, schedule: TreeSchedule, target, cache, tap, r
         v, r = verified[request.row], request.row
         tokens[r, : 1 + v.size] = v.tokens(int(request.history[-1]), device)[0]
         positions[r, : 1 + v.size] = v.positions(int(request.anchor_position), device)[0]
-    mask = tree_attention_mask(verified, state.cache_mask, target.dtype)
-    out, fused = target_forward(target, tokens, positions, mask, cache, tap)
+    out, fused = target_forward(target, tokens, positions, tree_verify_mask(state, verified, target.dtype), cache, tap)
     raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
     paths: list[list[int]] = [[] for _ in range(state.size)]
     for request in requests:

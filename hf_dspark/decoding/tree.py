@@ -131,6 +131,11 @@ class VerifiedTree:
         """Draft nodes verified (B; the block has B + 1 slots)."""
         return len(self.nodes)
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether every slot's parent is the slot before it (a chain, or the anchor alone)."""
+        return all(parent == s - 1 for s, parent in enumerate(self.parent_slots))
+
     def depth(self) -> int:
         return max((self.tree.depths[n] for n in self.nodes), default=0)
 
