@@ -1,7 +1,7 @@
 """Token trees against chains, same weights: τ and speed on the shipped eval sets, side by side in one run.
 
     python -m benchmarks.token_trees [--datasets humaneval gsm8k mt-bench] [--limit 30] [--max-new-tokens 96]
-        [--top-k 2 4] [--max-nodes 32] [--no-fixed] [--threads 2] [--out benchmarks/results/token_trees]
+        [--top-k 2 4] [--max-nodes 32] [--no-fixed] [--merged] [--threads 2] [--out benchmarks/results/token_trees]
 
 The embedded SmolLM2 target and the shipped draft, greedy, in float32 on a CPU without bfloat16 units (forced to
 float32 everywhere, so the numbers are comparable across machines), 128 new tokens by default. Methods, interleaved
@@ -12,7 +12,8 @@ prompt by prompt through ``hf-dspark bench``'s loop (every output checked agains
     treeK-fixed                the draft alone, a tree of top-K children per node, at most 8·K (or --max-nodes)
                                nodes per round
     chain-scheduled+lookup     the shipped configuration before trees (scheduled, lookup replaces the block)
-    treeK-scheduled+lookup     trees with lookup branches, nodes chosen by the scheduler
+    treeK-scheduled+lookup     trees with lookup branches, nodes chosen by the scheduler (a row whose lookup finds
+                               a continuation verifies it alone; ``-merged`` with --merged: drafted too, one tree)
 
 Also reports the calibration of the trees' node values (expected calibration error over 10 bins, top children and
 the others apart) from ``dspark_stats.tree_edges``. Prints tables and writes ``<out>/token_trees.json``;
@@ -49,10 +50,12 @@ def ece(pairs: list[tuple[float, bool]], bins: int = 10) -> float | None:
 
 
 def methods(
-    target, draft, top_ks: list[int], edges: dict[str, list], max_nodes: int | None = None, fixed: bool = True
-) -> list[Method]:
+    target, draft, top_ks: list[int], edges: dict[str, list], max_nodes: int | None = None, fixed: bool = True,
+    merged: bool = False,
+) -> list[Method]:  # fmt: skip
     """The compared methods; trees verify at most ``max_nodes`` nodes a round (default γ · K); ``fixed=False``
-    leaves out the fixed-verify rows (their τ is measured on more prompts by ``--tau-only``)."""
+    leaves out the fixed-verify rows (their τ is measured on more prompts by ``--tau-only``); ``merged`` adds each
+    scheduled tree with ``tree_lookup_merge=True`` (rows with a lookup continuation drafted too)."""
     gamma = draft.config.num_draft_tokens
 
     def dspark(name: str, **settings) -> Method:
@@ -78,6 +81,9 @@ def methods(
     for k in top_ks:
         chosen.append(dspark(f"tree{k}-scheduled+lookup", verify_mode="scheduled", verify_limit=max_nodes,
                              tree_top_k=k))  # fmt: skip
+        if merged:
+            chosen.append(dspark(f"tree{k}-scheduled+lookup-merged", verify_mode="scheduled", verify_limit=max_nodes,
+                                 tree_top_k=k, tree_lookup_merge=True))  # fmt: skip
     return chosen
 
 
@@ -156,6 +162,8 @@ def main() -> None:
                     help="verify at most this many nodes per tree and round (default: γ · K)")  # fmt: skip
     ap.add_argument("--no-fixed", action="store_true",
                     help="time only plain, prompt lookup and the scheduled methods")  # fmt: skip
+    ap.add_argument("--merged", action="store_true",
+                    help="also each scheduled tree with tree_lookup_merge=True")  # fmt: skip
     args = ap.parse_args()
     if args.report:
         page = report(json.loads((args.out / "token_trees.json").read_text()))
@@ -175,11 +183,11 @@ def main() -> None:
         (args.out / "tau_only.json").write_text(json.dumps({"setting": setting, "tau": taus}, indent=1))
         return
     edges: dict[str, list] = {}
-    chosen = methods(target, draft, args.top_k, edges, args.max_nodes, fixed=not args.no_fixed)
+    chosen = methods(target, draft, args.top_k, edges, args.max_nodes, fixed=not args.no_fixed, merged=args.merged)
     args.out.mkdir(parents=True, exist_ok=True)
     setting = {"draft": str(args.draft), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
                "top_k": args.top_k, "dtype": "float32", "threads": args.threads, "max_nodes": args.max_nodes,
-               "fixed": not args.no_fixed}  # fmt: skip
+               "fixed": not args.no_fixed, "merged": args.merged}  # fmt: skip
     # one-time costs (every verify profile a tree prices with, out to its node budget) before anything is timed
     warm = tokenizer("def fibonacci(n):", return_tensors="pt")["input_ids"]
     for m in chosen:

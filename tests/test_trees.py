@@ -375,6 +375,30 @@ def test_a_single_chain_shaped_tree_verifies_with_plain_causal_attention():
     assert tree_verify_mask(State([[1, 1, 1], [1, 1, 1]]), [chain, chain], torch.float32).shape == (2, 1, 3, 6)
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_row_with_a_lookup_continuation_is_drafted_only_when_merging(monkeypatch, merge):
+    """With lookup on, by default a row whose lookup finds a continuation verifies that branch alone (the draft's
+    pass and expansion are skipped); ``tree_lookup_merge=True`` drafts it too and merges both in one tree. Exact
+    either way."""
+    from hf_dspark.decoding import loop
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
+    ids = torch.tensor([[5, 17, 33, 2, 9]])  # this tiny target's greedy output falls into a loop that lookup finds
+    trees = []
+    real = loop.propose_trees
+    monkeypatch.setattr(loop, "propose_trees", lambda *a: trees.extend(real(*a)) or trees[-1:])
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    out = _tree_generate(target, draft, ids, max_new_tokens=30, tree_top_k=3, verify_mode="fixed",
+                         lookup_max_ngram=3, tree_lookup_merge=merge)  # fmt: skip
+    assert out.tolist() == ref.tolist()
+    kinds = [set().union(*tree.sources) for tree in trees if len(tree)]
+    assert {"lookup"} in kinds or {"lookup", "draft"} in kinds  # some round found a continuation
+    assert {"draft"} in kinds  # and some round drafted without one
+    assert ({"lookup", "draft"} in kinds) == merge
+    assert ({"lookup"} in kinds) == (not merge)
+
+
 def test_sliding_window_targets_verify_chains_and_say_so():
     config = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=6, pad_token_id=0)  # fmt: skip

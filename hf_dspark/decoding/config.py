@@ -62,6 +62,10 @@ class DecodingConfig:
         tree_top_k: children per node (1: one chain). Above 1, every row of a call verifies a tree of its own
             (a batch in one forward): the draft's top ``tree_top_k`` tokens under each of the ``min(tree_top_k, 4)``
             most valuable nodes of each depth, lookup continuations as branches.
+        tree_lookup_merge: (trees with lookup on) ``False``: a row whose lookup finds a continuation verifies that
+            branch alone that round and is not drafted (the chain route's choice: it saves the draft's pass and
+            the head's expansion, which on a CPU cost as much as the branches return); ``True``: such rows are
+            drafted too and both proposals merge in one tree.
     """
 
     verify_mode: str = "auto"
@@ -74,6 +78,7 @@ class DecodingConfig:
     lookup_max_tokens: int | None = None
     lookup_adaptive: bool = False
     tree_top_k: int = 1
+    tree_lookup_merge: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,6 +115,8 @@ class DecodingConfig:
             raise ValueError(f"lookup_adaptive must be True or False, got {self.lookup_adaptive!r}")
         if not _is_int(self.tree_top_k, 1):
             raise ValueError(f"tree_top_k must be an int >= 1 (1: a chain), got {self.tree_top_k!r}")
+        if not isinstance(self.tree_lookup_merge, bool):
+            raise ValueError(f"tree_lookup_merge must be True or False, got {self.tree_lookup_merge!r}")
 
     @property
     def priced(self) -> bool:

@@ -522,12 +522,13 @@ class TreeSchedule:
         values = [[tree.values[n] for n in nodes] for tree, nodes in zip(trees, ranked, strict=True)]
         if self.priced:
             summed = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
-            drafting = self.drafting * len(requests) if requests[0].draft else 0.0
+            drafted = sum(1 for tree in trees if any("draft" in sources for sources in tree.sources))
+            drafting = self.drafting * drafted
             count, pays = choose_tree_nodes(
                 s.verify_mode, summed, self.sps, s.confidence_threshold, drafting, rows, len(requests)
             )
             counts = [count] * len(ranked)
-            if requests[0].draft:  # back off when this drafted round is not worth a plain step in expectation
+            if drafted:  # back off when this drafted round is not worth a plain step in expectation
                 self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
                 self.skip = self.backoff
         else:
@@ -674,7 +675,9 @@ def dspark_decode(
         state = prefill(target, draft, input_ids, model_kwargs, cache, tap, rules, g.max_length, pad_id, outputs)
         trees = tree_schedule(draft, target, cache, schedule.settings, stats)
         if trees is not None:
-            trees.proposers[0].context = state.context
+            for proposer in trees.proposers:  # the drafting proposers read the draft's context of this call
+                if hasattr(proposer, "context"):
+                    proposer.context = state.context
             trees.price(draft, target, state.size)
         else:
             schedule.price(draft, target, state.size, g.do_sample)

@@ -63,17 +63,23 @@ class DraftTreeProposer:
     (1 - c_k) · q(x) / (1 - q(top)) for the others (the rest of the mass, shared as the draft shares it); without
     a confidence head, q(x). With ``recalibration`` (scheduled trees), c_k is first shifted toward the acceptance
     of the draft's top choices observed in the call so far, as chains shift theirs. Expansion stops early once
-    ``budget`` nodes are already worth more than any node still to come (values only fall along paths)."""
+    ``budget`` nodes are already worth more than any node still to come (values only fall along paths).
+    ``only_empty``: draft only the rows whose tree an earlier proposer left empty."""
 
     draft: DSparkDraftModel
     context: DraftContext
     top_k: int
     beam: int | None = None
     recalibration: AcceptanceRecalibration | None = None  # shifts c_k toward the call's observed acceptance
+    only_empty: bool = False
 
     @torch.no_grad()
     def propose(self, trees: list[TokenTree], requests: list[TreeRequest]) -> None:
-        drafting = [i for i, request in enumerate(requests) if request.draft and request.max_depth > 0]
+        drafting = [
+            i
+            for i, request in enumerate(requests)
+            if request.draft and request.max_depth > 0 and not (self.only_empty and len(trees[i]))
+        ]
         if not drafting:
             return
         draft, context = self.draft, self.context
@@ -200,10 +206,13 @@ def propose_trees(proposers: list[Proposer], requests: list[TreeRequest]) -> lis
 
 def tree_proposers(draft, settings, recalibration=None) -> list[Proposer]:
     """The proposers one call's trees merge, from its settings (a ``DecodingConfig``): the draft's branches, and
-    lookup continuations when ``lookup_max_ngram`` > 0. ``recalibration``: the draft proposer's confidence shift,
-    fed by the schedule from each walk. A new proposer is a class above and a line here."""
-    proposers: list[Proposer] = [DraftTreeProposer(draft, None, settings.tree_top_k, recalibration=recalibration)]
-    if settings.lookup_max_ngram > 0:
-        cap = settings.lookup_max_tokens or draft.config.num_draft_tokens
-        proposers.append(LookupProposer(settings.lookup_max_ngram, settings.lookup_min_ngram, cap))
-    return proposers
+    lookup continuations when ``lookup_max_ngram`` > 0 (first, and then the draft skips the rows they filled,
+    unless ``tree_lookup_merge``). ``recalibration``: the draft proposer's confidence shift, fed by the schedule
+    from each walk. A new proposer is a class above and a line here."""
+    merge = settings.tree_lookup_merge or settings.lookup_max_ngram == 0
+    drafter = DraftTreeProposer(draft, None, settings.tree_top_k, recalibration=recalibration, only_empty=not merge)
+    if settings.lookup_max_ngram == 0:
+        return [drafter]
+    cap = settings.lookup_max_tokens or draft.config.num_draft_tokens
+    lookup = LookupProposer(settings.lookup_max_ngram, settings.lookup_min_ngram, cap)
+    return [drafter, lookup] if merge else [lookup, drafter]

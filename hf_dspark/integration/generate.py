@@ -79,6 +79,7 @@ def dspark_generate(
     verify_layout: str | None = None,
     confidence_recalibration: bool | None = None,
     tree_top_k: int | None = None,
+    tree_lookup_merge: bool | None = None,
     **model_kwargs,
 ):
     """DSpark decoding as a ``custom_generate`` callable: ``target.generate(**inputs,
