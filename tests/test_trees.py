@@ -399,6 +399,28 @@ def test_a_row_with_a_lookup_continuation_is_drafted_only_when_merging(monkeypat
     assert ({"lookup"} in kinds) == (not merge)
 
 
+def test_the_scheduler_prices_drafting_only_for_rows_that_drafted(monkeypatch):
+    """A round's drafting cost is charged per row whose tree holds draft nodes (a lookup-only row drafted nothing),
+    and only a round that drafted moves the back-off."""
+    from hf_dspark.decoding import loop
+    from hf_dspark.decoding.config import DecodingConfig
+    from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.scheduling.policy import SPSProfile
+
+    charged = []
+    monkeypatch.setattr(loop, "choose_tree_nodes", lambda *a: charged.append(a[4]) or (1, False))
+    schedule = loop.TreeSchedule(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 4, [], None,
+                                 sps=SPSProfile.from_callable(lambda B: 1.0), drafting=0.01)  # fmt: skip
+    drafted, looked_up = TokenTree(), TokenTree()
+    drafted.add(-1, 5, 0.6, "draft", top=True)
+    looked_up.add_path([7, 8], [0.5, 0.5], "lookup")
+    request = TreeRequest(0, torch.tensor([1, 2]), torch.tensor(2), 4, 8, LogitsProcessorList())
+    schedule.select([drafted, looked_up], [request, request], 2)
+    assert charged == [pytest.approx(0.01)] and schedule.backoff == 1  # one row drafted; not worth it: back off
+    schedule.select([looked_up, looked_up], [request, request], 2)
+    assert charged[-1] == 0.0 and schedule.backoff == 1  # nothing drafted: no cost, the back-off stays
+
+
 def test_sliding_window_targets_verify_chains_and_say_so():
     config = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=6, pad_token_id=0)  # fmt: skip
