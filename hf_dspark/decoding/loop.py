@@ -572,7 +572,7 @@ def tree_verify_mask(state: DecodeState, verified: list[VerifiedTree | None], dt
     """The target's mask for a tree verify: ``None`` (plain causal attention, the cheaper path; on a CPU a 4D mask
     costs about 2 ms a step) when the batch is one row whose tree is a chain (each slot's parent the slot before:
     a plain step, or only top children verified) on a cache without holes, else :func:`tree_attention_mask`."""
-    (tree,) = verified if len(verified) == 1 else (None,)
+    tree = verified[0] if len(verified) == 1 else None
     if tree is not None and tree.is_chain and bool(state.cache_mask.all()):
         return None
     return tree_attention_mask(verified, state.cache_mask, dtype)

@@ -198,10 +198,11 @@ def train(
     if latest is not None:
         saved = json.loads((latest / "step.json").read_text())
         # the optimizer state holds one group per learning rate; checkpoints older than the setting trained at 1.0
-        if saved.get("layers_lr_scale", 1.0) != cfg.layers_lr_scale:
+        scale = saved.get("layers_lr_scale", 1.0)
+        if scale != cfg.layers_lr_scale:
             raise ValueError(
-                f"{latest} was trained with layers_lr_scale={saved.get('layers_lr_scale', 1.0)}, not "
-                f"{cfg.layers_lr_scale}: resume it with the same setting or start a new run folder"
+                f"{latest} was trained with layers_lr_scale={scale}, not {cfg.layers_lr_scale}: resume it with the "
+                "same setting or start a new run folder"
             )
         acc.load_state(str(latest))
         start = saved["step"]
