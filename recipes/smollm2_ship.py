@@ -36,6 +36,7 @@ from recipes.smollm2_train import (
     MASK_TOKEN,
     STATE,
     build_draft,
+    in_fraction,
     is_held_out,
     read_recipe,
     recipe_loss,
@@ -92,7 +93,8 @@ def runs_before(run: Path) -> list[dict]:
 def run_history(run: Path) -> list[dict]:
     """The training runs behind ``run``'s draft, oldest first: each its folder name and final settings (steps, lr,
     seed, anchors, loss weights from ``final/train_config.json``; answer rows and draft layers read from
-    ``recipe.json``, None and 2 if not kept), following warm restarts back (see :func:`runs_before`)."""
+    ``recipe.json``, None and 2 if not kept, and a row fraction other than 1), following warm restarts back (see
+    :func:`runs_before`)."""
     cfg = json.loads((run / "final" / "train_config.json").read_text())
     recipe = read_recipe(run)
     entry = {
@@ -106,8 +108,11 @@ def run_history(run: Path) -> list[dict]:
 
 def recorded_data(recipe: dict) -> dict:
     """What a run's ``recipe.json`` says it trained on and with: answer rows (None if not kept), draft layers (2
-    if not kept), and ``references`` when it read the reference answers too."""
+    if not kept), ``row_fraction`` when it trained on a subset, and ``references`` when it read the reference
+    answers too."""
     data = {"rows": recipe.get("rows"), "layers": recipe.get("layers", 2)}
+    if recipe.get("row_fraction", 1.0) != 1.0:
+        data["row_fraction"] = recipe["row_fraction"]
     return {**data, "references": True} if recipe.get("references") else data
 
 
@@ -154,6 +159,8 @@ def train_command(head: str, chain: list[dict]) -> str:
             cmd += f" --seed {r['seed']}"
         if r.get("rows"):
             cmd += f" --rows {r['rows']}"
+        if r.get("row_fraction", 1.0) != 1.0:
+            cmd += f" --row-fraction {r['row_fraction']:g}"
         if r.get("references"):
             cmd += " --references"
         weights = r["loss_weights"]
@@ -216,7 +223,8 @@ def main() -> None:
     draft, step = load_run(target, tokenizer, run, args.head, args.checkpoint)
     rows = run_rows(run, load_dataset(ANSWERS))  # the rows the run was pinned to, not what has been answered since
     held_out = [r for r in rows if is_held_out(r)]
-    train_rows = [r for r in rows if not is_held_out(r)]
+    fraction = read_recipe(run).get("row_fraction", 1.0)
+    train_rows = [r for r in rows if not is_held_out(r) and in_fraction(r, fraction)]
 
     shipped = draft.to(torch.bfloat16)
     trained_vocab = shipped.draft_vocab  # load_run applied the run's own: it ships with exactly the one it trained over

@@ -46,6 +46,15 @@ def is_held_out(row: dict) -> bool:
     return zlib.crc32(row["id"].split("@")[0].encode()) % 50 == 0
 
 
+def in_fraction(row: dict, fraction: float) -> bool:
+    """Whether ``row`` is in the ``fraction`` subset of the answers (a learning curve against tokens, issue #48):
+    rows whose prompt id hashes below ``fraction`` of 1,024 buckets, so every smaller subset lies inside every larger
+    one and each draws from every source in proportion."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"row fraction must be in (0, 1], got {fraction}")
+    return zlib.crc32(b"subset:" + row["id"].split("@")[0].encode()) % 1024 < round(fraction * 1024)
+
+
 def recipe_references(tokenizer, answers: Path = REFERENCES) -> list[dict]:
     """Rows of reference answers (text the target did not write, issue #48) for every vendored prompt they answer,
     in the prompt files' order; held-out prompts are dropped by the caller like regenerated rows."""
@@ -119,7 +128,7 @@ def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
     path = out / "recipe.json"
     if not path.exists():
         keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd", "argmax", "layers",
-                "references", "layers_lr")  # fmt: skip
+                "references", "layers_lr", "row_fraction")  # fmt: skip
         recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}
         if recipe.get("references"):  # runs before this rule fitted CE to the reference text's own tokens
             recipe["reference_labels"] = "target distribution"
@@ -187,6 +196,8 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=ANSWERS, help="regenerated answers (a file or shard folder)")
     ap.add_argument("--rows", type=int, default=None,
                     help="train on the first N answer rows (default: all; a resume keeps its own)")  # fmt: skip
+    ap.add_argument("--row-fraction", type=float, default=1.0,
+                    help="train on this nested, hashed fraction of the rows (a tokens learning curve)")  # fmt: skip
     ap.add_argument("--run", default=None, help="run folder under the state dir (default run-<head>[-speculators])")
     ap.add_argument(
         "--layout",
@@ -211,7 +222,8 @@ def main() -> None:
     answers = run_rows(out, load_dataset(args.data), args.rows)
     target, tokenizer = load_target()
     references = recipe_references(tokenizer) if read_recipe(out).get("references", args.references) else []
-    rows = [r for r in answers + references if not is_held_out(r)]
+    fraction = read_recipe(out).get("row_fraction", args.row_fraction)  # a resume keeps its first start's
+    rows = [r for r in answers + references if not is_held_out(r) and in_fraction(r, fraction)]
     mask_token = spare_token(tokenizer, rows) if args.layout == "speculators" else None
     draft = build_draft(target, args.head, mask_token, args.layers)
     init_vocab = None if args.init_from is None else start_from(draft, args.init_from)

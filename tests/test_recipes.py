@@ -11,7 +11,7 @@ import torch
 
 from hf_dspark.testing import tiny_target
 from recipes.smollm2_ship import load_run, loss_terms, run_history, train_command, unfinished_run
-from recipes.smollm2_train import build_draft, record_recipe, run_rows, start_from
+from recipes.smollm2_train import build_draft, in_fraction, is_held_out, record_recipe, run_rows, start_from
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,3 +278,32 @@ def test_a_runs_draft_loads_with_the_draft_vocabulary_it_trained_over(tmp_path):
     (run / VOCAB_FILE).write_text(json.dumps([40, 3, 95]))
     draft, _ = load_run(target, None, run, "markov", None)
     assert draft.draft_vocab.tolist() == [3, 40, 95]
+
+
+def test_row_fractions_are_nested_proportional_and_recorded(tmp_path):
+    """A tokens learning curve's subsets: each smaller fraction lies inside every larger one, draws about its share
+    of every source, does not decide what is held out, and the run records it (a resume keeps its own, and the
+    ship step's command repeats it)."""
+    rows = [{"id": f"{source}-{i}"} for source in ("gsm8k", "code", "chat") for i in range(4000)]
+    subsets = {f: {r["id"] for r in rows if in_fraction(r, f)} for f in (0.125, 0.25, 0.5, 1.0)}
+    assert subsets[0.125] < subsets[0.25] < subsets[0.5] < subsets[1.0] == {r["id"] for r in rows}
+    for f in (0.125, 0.25, 0.5):
+        for source in ("gsm8k", "code", "chat"):
+            share = sum(i.startswith(source) for i in subsets[f]) / 4000
+            assert abs(share - f) < 0.03, (f, source, share)
+    held = {r["id"] for r in rows if is_held_out(r)}
+    assert abs(len(held & subsets[0.25]) / len(held) - 0.25) < 0.06  # the two hashes are independent
+    assert in_fraction({"id": "gsm8k-7@reference"}, 0.5) == in_fraction({"id": "gsm8k-7"}, 0.5)
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="row fraction must be in"):
+            in_fraction(rows[0], bad)
+
+    run = tmp_path / "quarter"
+    run.mkdir()
+    record_recipe(run, argparse.Namespace(head="markov", steps=10, init_from=None, row_fraction=0.25), 500)
+    record_recipe(run, argparse.Namespace(head="markov", steps=10, init_from=None, row_fraction=1.0), 500)
+    assert json.loads((run / "recipe.json").read_text())["row_fraction"] == 0.25
+    entry = {"run": "quarter", "steps": 10, "anchors": 48, "lr": 3e-3, "seed": 0, "rows": 500, "row_fraction": 0.25,
+             "loss_weights": {"ce": 1.0, "tv": 0.1, "conf": 1.0}}  # fmt: skip
+    assert "--rows 500 --row-fraction 0.25" in train_command("markov", [entry])
+    assert "--row-fraction" not in train_command("markov", [{**entry, "row_fraction": 1.0}])
