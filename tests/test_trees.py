@@ -542,6 +542,96 @@ def test_a_budget_drafts_fewer_nodes_but_selects_the_unbounded_trees_best(top_k)
         assert paths(tree, tree.select(budget, 5)) == paths(unbounded, unbounded.select(budget, 5))
 
 
+@pytest.mark.parametrize("mode", ["scheduled", "threshold"])
+def test_expansion_stops_once_the_schedule_cannot_change_its_choice(mode):
+    """A single row's expansion stops as soon as the schedule's early stop falls on a node worth more than any
+    deeper one could be; the nodes the schedule then selects are the same token paths, values and order as from the
+    whole tree, over steep and flat verify profiles, and the expansion does stop early on some of them."""
+    from functools import partial
+
+    from hf_dspark.decoding.config import DecodingConfig
+    from hf_dspark.decoding.drafting import DraftContext
+    from hf_dspark.decoding.loop import TreeSchedule
+    from hf_dspark.decoding.proposers import DraftTreeProposer, TreeRequest
+    from hf_dspark.scheduling.policy import SPSProfile
+
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 3.0)
+
+    def drafted(seed: int, top_k: int, settled=None) -> TokenTree:
+        with torch.no_grad():  # sure drafts (deep, slowly falling values) and unsure ones
+            draft.confidence.confidence_head.bias.fill_(4.0 if seed % 2 else 0.0)
+        ctx = DraftContext.empty(draft, 1, torch.device("cpu"))
+        feats = draft.fuse_context(torch.randn(1, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64,
+                                               generator=torch.Generator().manual_seed(seed)))  # fmt: skip
+        ctx.extend(feats, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
+        tree = TokenTree()
+        request = TreeRequest(0, torch.tensor([7, 8, 9]), torch.tensor(6), 5, 24, LogitsProcessorList(),
+                              settled=settled)  # fmt: skip
+        DraftTreeProposer(draft, ctx, top_k=top_k).propose([tree], [request])
+        return tree
+
+    def paths(tree: TokenTree, nodes: list[int]) -> list[tuple[tuple[int, ...], float]]:
+        def path(n):
+            return () if n < 0 else (*path(tree.parents[n]), tree.tokens[n])
+
+        return [(path(n), tree.values[n]) for n in nodes]
+
+    profiles = [lambda B: 1 / (1 + 0.05 * B), lambda B: 1 / (1 + 0.3 * B), lambda B: 1 / (1 + 0.01 * B)]
+    smaller = 0
+    cases = [(k, threshold, sps) for k in (2, 3, 4) for threshold in (0.3, 0.1) for sps in profiles for _ in (0, 1)]
+    for seed, (top_k, threshold, sps) in enumerate(cases):
+        settings = DecodingConfig(verify_mode=mode, tree_top_k=top_k, verify_limit=24, confidence_threshold=threshold)
+        schedule = TreeSchedule(settings, 6, [], None, sps=SPSProfile.from_callable(sps), drafting=0.02)
+        request = TreeRequest(0, torch.tensor([7, 8, 9]), torch.tensor(6), 5, 24, LogitsProcessorList())
+        whole = drafted(seed, top_k)
+        early = drafted(seed, top_k, partial(schedule.settled, 1, 5))
+        chosen = schedule.select([whole], [request], 1)[0]
+        assert paths(early, schedule.select([early], [request], 1)[0]) == paths(whole, chosen)
+        assert set(paths(early, range(len(early)))) <= set(paths(whole, range(len(whole))))
+        smaller += len(early) < len(whole)
+    assert smaller >= 3
+
+
+def test_a_settled_choice_holds_whatever_deeper_nodes_join():
+    """The rule behind the early stop, on random trees and profiles: when ``settled`` says a tree's choice is final,
+    adding any deeper nodes worth at most the bound (even exactly the bound) leaves the selected nodes unchanged;
+    and it does say so on a share of them."""
+    import random
+
+    from hf_dspark.decoding.config import DecodingConfig
+    from hf_dspark.decoding.loop import TreeSchedule
+    from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.scheduling.policy import SPSProfile
+
+    rng = random.Random(0)
+    request = TreeRequest(0, torch.tensor([7]), torch.tensor(1), 8, 16, LogitsProcessorList())
+    settled_count = 0
+    for trial in range(300):
+        tree, frontier = TokenTree(), [-1]
+        for _ in range(rng.randint(1, 4)):  # levels, each expanding the best two nodes of the last one
+            children = [tree.add(p, rng.randrange(50), rng.random() ** 0.3, "draft") for p in frontier for _ in (0, 1)]
+            frontier = sorted(children, key=lambda n: -tree.values[n])[:2]
+        slope, drafting = rng.choice([0.02, 0.1, 0.4]), rng.choice([0.0, 0.05])
+        mode = "threshold" if trial % 3 == 0 else "scheduled"
+        settings = DecodingConfig(verify_mode=mode, tree_top_k=2, verify_limit=16, confidence_threshold=0.4)
+        schedule = TreeSchedule(settings, 8, [], None, sps=SPSProfile.from_callable(lambda B, a=slope: 1 / (1 + a * B)),
+                                drafting=drafting)  # fmt: skip
+        bound, depth = max(tree.values[n] for n in frontier), max(tree.depths)
+        if not schedule.settled(1, 8, tree, bound, depth):
+            continue
+        settled_count += 1
+        before = [(tree.tokens[n], tree.depths[n], tree.values[n]) for n in schedule.select([tree], [request], 1)[0]]
+        for parent in frontier:  # the deepest values a later level could bring: the parent's own (edge 1) and below
+            for edge in (1.0, 0.99999, rng.random()):
+                tree.add(parent, 100 + len(tree), edge, "draft")
+        after = [(tree.tokens[n], tree.depths[n], tree.values[n]) for n in schedule.select([tree], [request], 1)[0]]
+        assert after == before
+    assert settled_count >= 5
+
+
 def test_tree_scores_and_streamer_match_plain_generate():
     """output_scores / output_logits and a streamer see each committed token once, with plain generate's scores."""
     from transformers.generation.streamers import BaseStreamer

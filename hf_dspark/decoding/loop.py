@@ -19,6 +19,7 @@ at the end of a round are cropped, so a single row never carries holes. docs/des
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -510,29 +511,53 @@ class TreeSchedule:
         room = state.room(max(self.draft_tokens, self.lookup.max_tokens if self.lookup else 0), max_length)
         draft = not self.skip
         self.skip = max(self.skip - 1, 0)
-        return [
-            TreeRequest(r, state.history(r), state.anchor_positions[r], room[r], self.budget, processors, draft)
-            for r in state.active
-        ]
+        # one generating row's choice is its own tree's (a batch's sums every row's, known only once all are drafted);
+        # merged lookup nodes join after the draft's, so its expansion cannot know the choice before they do
+        early = len(state.active) == 1 and not (self.settings.tree_lookup_merge and self.lookup is not None)
+        requests = []
+        for r in state.active:
+            settled = partial(self.settled, state.size, room[r]) if early else None
+            requests.append(TreeRequest(r, state.history(r), state.anchor_positions[r], room[r], self.budget,
+                                        processors, draft, settled))  # fmt: skip
+        return requests
+
+    def count(self, values: list[float], rows: int, generating: int, drafted: int) -> tuple[int, bool]:
+        """How many of the leading ranked nodes a round verifies, ``values`` their (summed over rows) values, and
+        whether drafting paid (:func:`~hf_dspark.scheduling.policy.choose_tree_nodes`, priced when the mode is)."""
+        s = self.settings
+        if not self.priced:
+            return choose_tree_nodes(s.verify_mode, values, None, s.confidence_threshold)
+        drafting = self.drafting * drafted
+        return choose_tree_nodes(s.verify_mode, values, self.sps, s.confidence_threshold, drafting, rows, generating)
+
+    def settled(self, rows: int, max_depth: int, tree: TokenTree, bound: float, depth: int) -> bool:
+        """Whether one generating row's choice from the drafted ``tree`` is final while nodes are still to come,
+        each worth at most ``bound`` and deeper than ``depth``: the choice must stop at a node (not take them all)
+        that ranks before any such node, i.e. worth more than ``bound``, or exactly ``bound`` and no deeper than
+        them (ties rank the shallower first). Every node up to and including the one it stopped at keeps its rank
+        then, so :meth:`select` takes the same nodes as from the whole tree (the early stop reads no further)."""
+        ranked = tree.ranked(max_depth)[: self.budget]
+        values = [tree.values[n] for n in ranked]
+        count = self.count(values, rows, 1, 1)[0]
+        if count >= len(values):
+            return False
+        stop = values[count]
+        return stop > bound or (stop == bound and tree.depths[ranked[count]] <= depth + 1)
 
     def select(self, trees: list[TokenTree], requests: list[TreeRequest], rows: int) -> list[list[int]]:
         """Each request's verified nodes, parents before children, in a verify padded over ``rows`` batch rows."""
-        s = self.settings
         ranked = [tree.ranked(request.max_depth)[: self.budget] for tree, request in zip(trees, requests, strict=True)]
         values = [[tree.values[n] for n in nodes] for tree, nodes in zip(trees, ranked, strict=True)]
         if self.priced:
             summed = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
             drafted = sum(1 for tree in trees if any("draft" in sources for sources in tree.sources))
-            drafting = self.drafting * drafted
-            count, pays = choose_tree_nodes(
-                s.verify_mode, summed, self.sps, s.confidence_threshold, drafting, rows, len(requests)
-            )
+            count, pays = self.count(summed, rows, len(requests), drafted)
             counts = [count] * len(ranked)
             if drafted:  # back off when this drafted round is not worth a plain step in expectation
                 self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
                 self.skip = self.backoff
         else:
-            counts = [choose_tree_nodes(s.verify_mode, v, None, s.confidence_threshold)[0] for v in values]
+            counts = [self.count(v, rows, 1, 0)[0] for v in values]
         return [
             sorted(nodes[:count], key=lambda n, tree=tree: (tree.depths[n], n))
             for tree, nodes, count in zip(trees, ranked, counts, strict=True)

@@ -12,6 +12,7 @@ proposer is one class here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,7 +32,9 @@ class TreeRequest:
     """What a round asks of the proposers for one row: the row's index ``row`` in the batch (and in the draft's
     context), its ``history`` [T] (committed tokens, the anchor last), the anchor's position, the deepest node any
     proposer may add (``max_depth``: the room left before ``max_length``, within the draft's block), the node budget
-    the round may verify, and the call's logits processors."""
+    the round may verify, and the call's logits processors. ``settled(tree, bound, depth)``, when the schedule
+    gives it, says whether the round's choice from ``tree`` is already final: no node still to come, each worth at
+    most ``bound`` and deeper than ``depth``, could change it (a proposer may stop adding nodes then)."""
 
     row: int
     history: torch.Tensor
@@ -40,6 +43,7 @@ class TreeRequest:
     budget: int
     logits_processor: LogitsProcessorList
     draft: bool = True  # False in rounds the schedule backs off from drafting
+    settled: Callable[[TokenTree, float, int], bool] | None = None
 
 
 class Proposer(Protocol):
@@ -63,7 +67,9 @@ class DraftTreeProposer:
     (1 - c_k) · q(x) / (1 - q(top)) for the others (the rest of the mass, shared as the draft shares it); without
     a confidence head, q(x). With ``recalibration`` (scheduled trees), c_k is first shifted toward the acceptance
     of the draft's top choices observed in the call so far, as chains shift theirs. Expansion stops early once
-    ``budget`` nodes are already worth more than any node still to come (values only fall along paths).
+    ``budget`` nodes are already worth more than any node still to come (values only fall along paths), or once
+    the request's ``settled`` says the schedule's choice can no longer change (the scheduler's early stop fell on a
+    node worth more than any deeper one could be).
     ``only_empty``: draft only the rows whose tree an earlier proposer left empty."""
 
     draft: DSparkDraftModel
@@ -161,6 +167,8 @@ class DraftTreeProposer:
             ranked = sorted(tree.values, reverse=True)
             if not kept or (len(ranked) >= request.budget and ranked[request.budget - 1] >= kept[0][0]):
                 break  # no deeper node could enter the round's best `budget`
+            if request.settled is not None and request.settled(tree, kept[0][0], k + 1):
+                break  # the schedule stops inside what is here: a deeper node cannot change its choice
             frontier = [node for _, node, _, _ in kept]
             paths = [torch.cat([paths[i], x_top[i, j : j + 1]]) for _, _, i, j in kept]
             if state is not None:
