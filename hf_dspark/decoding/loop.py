@@ -550,7 +550,7 @@ class TreeSchedule:
         values = [[tree.values[n] for n in nodes] for tree, nodes in zip(trees, ranked, strict=True)]
         if self.priced:
             summed = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
-            drafted = sum(1 for tree in trees if any("draft" in sources for sources in tree.sources))
+            drafted = sum(tree.drafted for tree in trees)
             count, pays = self.count(summed, rows, len(requests), drafted)
             counts = [count] * len(ranked)
             if drafted:  # back off when this drafted round is not worth a plain step in expectation

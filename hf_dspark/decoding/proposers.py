@@ -150,13 +150,18 @@ class DraftTreeProposer:
                 edges = torch.cat([c[:, None], (1 - c[:, None]) * (edges[:, 1:] / rest).clamp(max=1)], dim=1)
             # only this depth's `budget` most valuable children can enter the round's best `budget` nodes (each
             # child below them has `budget` better nodes of its own depth, and their ancestors, ahead of it)
-            edges = edges.cpu()  # one transfer: the tree is host-side bookkeeping
+            # one transfer (one sync on a GPU) a depth: the tree is host-side bookkeeping; token ids are exact in
+            # float64
+            width = x_top.shape[1]
+            parts = [edges, x_top.double()] + ([] if conf_head is None else [raw[:, None]])
+            host = torch.cat(parts, dim=1).cpu()
+            edges = host[:, :width]
             bases = torch.tensor([1.0 if p < 0 else tree.values[p] for p in frontier], dtype=torch.float64)
             values = (bases[:, None] * edges).flatten()
             best = values.topk(min(values.numel(), request.budget)).indices.tolist()
-            tokens, edge_list = x_top.tolist(), edges.tolist()
-            raws = raw.tolist() if conf_head is not None else None
-            width, children = x_top.shape[1], []
+            tokens, edge_list = host[:, width : 2 * width].long().tolist(), edges.tolist()
+            raws = host[:, -1].tolist() if conf_head is not None else None
+            children = []
             for flat in best:
                 i, j = divmod(flat, width)
                 node = tree.add(frontier[i], tokens[i][j], edge_list[i][j], "draft", top=j == 0)

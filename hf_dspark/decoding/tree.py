@@ -44,6 +44,7 @@ class TokenTree:
     sources: list[set[str]] = field(default_factory=list)
     index: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
     confidences: dict[int, float] = field(default_factory=dict)  # top draft node -> the head's own c_k (unshifted)
+    drafted: bool = False  # whether the draft added nodes (the round paid for its pass)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -52,6 +53,7 @@ class TokenTree:
         """Node for ``token`` under ``parent`` (-1: the anchor), valued ``edge`` × the parent's value; a node that
         exists already keeps the larger value (its ancestors are raised to it, so values never grow along a path).
         -> the node's index."""
+        self.drafted = self.drafted or source == "draft"
         node = self.index.get((parent, token))
         base = 1.0 if parent < 0 else self.values[parent]
         if node is None:
