@@ -34,6 +34,8 @@ from hf_dspark import DSparkDraftModel
 from hf_dspark.embedded import DRAFT_DIR, load_target
 from hf_dspark.evaluation.bench import Method, bench, markdown_table
 
+from .pinned_costs import pin_costs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -153,6 +155,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--top-k", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pin-costs", type=Path, default=None,
+                    help="schedule with the costs pinned in this JSON (measured, written there if absent)")  # fmt: skip
     ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "token_trees")
     ap.add_argument("--report", action="store_true", help="only write <out>/token_trees.md from the saved JSON")
@@ -173,6 +177,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target(torch.float32)
     draft = DSparkDraftModel.from_pretrained(args.draft).attach(target).eval()
+    if args.pin_costs is not None:
+        widest = max(args.max_nodes or draft.config.num_draft_tokens * k for k in args.top_k)
+        pin_costs(draft, target, args.pin_costs, max_width=widest + 1, tree_top_k=args.top_k)
     if args.tau_only:
         taus = tau_only(
             target, tokenizer, draft, args.datasets, args.limit, args.max_new_tokens, args.top_k, args.max_nodes
@@ -187,7 +194,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     setting = {"draft": str(args.draft), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
                "top_k": args.top_k, "dtype": "float32", "threads": args.threads, "max_nodes": args.max_nodes,
-               "fixed": not args.no_fixed, "merged": args.merged}  # fmt: skip
+               "fixed": not args.no_fixed, "merged": args.merged,
+               "pinned_costs": None if args.pin_costs is None else str(args.pin_costs)}  # fmt: skip
     # one-time costs (every verify profile a tree prices with, out to its node budget) before anything is timed
     warm = tokenizer("def fibonacci(n):", return_tensors="pt")["input_ids"]
     for m in chosen:

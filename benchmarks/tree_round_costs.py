@@ -8,7 +8,9 @@ configuration), each prompt run as a chain and as a tree back to back. The loop'
 timers (no profiler, whose per-call overhead would charge the tree's extra Python calls unfairly): the target's
 forward (the verify; the prompt's prefill is timed apart and left out), the chain's ``draft_block``, the tree's
 ``propose_trees`` (backbone + expansion + lookup) and ``keep_paths`` (cache compaction). Milliseconds per round,
-τ and tokens/s; every output is checked against the chain's (both are plain greedy's).
+τ and tokens/s; every output is checked against the chain's (both are plain greedy's). ``tree<k>-whole`` is the same
+tree with the expansion's schedule-aware stop turned off (every depth the budget allows is expanded; the verified
+nodes are the same), and ``head_steps`` counts the sequential head's evaluations (one a depth expanded) per round.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from hf_dspark import DSparkDraftModel
 from hf_dspark.decoding import loop
 from hf_dspark.embedded import DRAFT_DIR, load_target
 from hf_dspark.evaluation.evaluate import load_prompts
+
+from .pinned_costs import pin_costs
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMED = {loop: ["prefill", "target_forward", "draft_block", "propose_trees"], loop.DecodeState: ["keep_paths"]}
@@ -55,17 +59,31 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--max-nodes", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pin-costs", type=Path, default=None,
+                    help="schedule with the costs pinned in this JSON (measured, written there if absent)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "token_trees" / "round_costs.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target(torch.float32)
     draft = DSparkDraftModel.from_pretrained(DRAFT_DIR).attach(target).eval()
+    if args.pin_costs is not None:
+        pin_costs(draft, target, args.pin_costs, max_width=args.max_nodes + 1, tree_top_k=[args.top_k])
     tree = {"tree_top_k": args.top_k, "verify_limit": args.max_nodes}
-    methods = {"chain": {"tree_top_k": 1}, f"tree{args.top_k}": tree}
+    methods = {"chain": {"tree_top_k": 1}, f"tree{args.top_k}": tree, f"tree{args.top_k}-whole": {**tree, "whole": 1}}
     spent: Counter = Counter()
     timers(spent)
+    head, settled = draft.sequential_head, loop.TreeSchedule.settled
+    real_step = head.step
+
+    def counted_step(*args, **kwargs):
+        spent["head_steps"] += 1
+        return real_step(*args, **kwargs)
+
+    head.step = counted_step
 
     def run(ids, max_new_tokens, settings):
+        settings = dict(settings)
+        loop.TreeSchedule.settled = (lambda *a: False) if settings.pop("whole", 0) else settled
         return target.generate(ids, custom_generate=hf_dspark.dspark_generate, draft=draft, verify_mode="scheduled",
                                max_new_tokens=max_new_tokens, do_sample=False, **settings)  # fmt: skip
 
@@ -78,7 +96,7 @@ def main() -> None:
         for i, text in enumerate(load_prompts(dataset, args.limit)):
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 return_tensors="pt")["input_ids"]  # fmt: skip
-            names = list(methods)[i % 2 :] + list(methods)[: i % 2]
+            names = list(methods)[i % len(methods) :] + list(methods)[: i % len(methods)]
             outs = {}
             for name in names:
                 spent.clear()
@@ -104,6 +122,7 @@ def main() -> None:
                 "tok_per_s": round(t["committed"] / (t["seconds"] + t["prefill"]), 2),
                 "tau": round(t["committed"] / t["rounds"], 3),
                 "nodes_per_round": round(t["verified"] / t["rounds"], 2),
+                "head_steps_per_round": round(t["head_steps"] / t["rounds"], 2),
                 "ms_per_round": round(1000 * t["seconds"] / t["rounds"], 2),
                 "target_forward_ms": per_round["target_forward"],
                 "drafting_ms": round(drafting, 2),
@@ -113,14 +132,17 @@ def main() -> None:
         print(dataset, json.dumps(results[dataset]), flush=True)
     setting = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
                "max_nodes": args.max_nodes, "threads": args.threads, "dtype": "float32",
+               "pinned_costs": None if args.pin_costs is None else str(args.pin_costs),
                "date": time.strftime("%F")}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"setting": setting, "results": results}, indent=1))
-    print("| dataset | method | tok/s | τ | nodes/round | ms/round | verify | drafting | keep_paths | other |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| dataset | method | tok/s | τ | nodes/round | head steps/round | ms/round | verify | drafting | keep_paths "
+          "| other |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for dataset, by in results.items():
         for name, r in by.items():
             print(f"| {dataset} | {name} | {r['tok_per_s']} | {r['tau']} | {r['nodes_per_round']} | "
+                  f"{r['head_steps_per_round']} | "
                   f"{r['ms_per_round']} | {r['target_forward_ms']} | {r['drafting_ms']} | {r['keep_paths_ms']} | "
                   f"{r['other_ms']} |")  # fmt: skip
 

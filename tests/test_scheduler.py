@@ -479,3 +479,31 @@ def test_batched_tree_node_choice_admits_ranks_across_rows():
     alone, _ = choose_tree_nodes("scheduled", [0.9, 0.8, 0.5, 0.2], sps, 0.5, rows=2, generating=1)
     single, _ = choose_tree_nodes("scheduled", [0.9, 0.8, 0.5, 0.2], sps, 0.5)
     assert alone < single
+
+
+def test_pinned_costs_are_measured_once_and_then_set_without_measuring(tmp_path, monkeypatch):
+    """benchmarks/pinned_costs.py: the first call measures the verify profile and drafting costs and writes them;
+    a later call (a new process, here a new draft) sets exactly those numbers and measures nothing; a tree width
+    the file does not pin is refused by name."""
+    from benchmarks.pinned_costs import pin_costs
+    from hf_dspark import DSparkDraftModel
+
+    monkeypatch.setattr(costs, "CACHE_DIR", tmp_path / "sps")
+    target = tiny_target("llama")
+    path = tmp_path / "pinned.json"
+    first = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    pinned = pin_costs(first, target, path, max_width=9, tree_top_k=[2])
+    assert json.loads(path.read_text()) == pinned and max(map(int, pinned["sps"])) == 9
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a pinned cost was measured")
+
+    for name in ("measure_profile", "_median_seconds"):
+        monkeypatch.setattr(costs, name, measured)
+    second = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    assert pin_costs(second, target, path, max_width=9, tree_top_k=[2]) == pinned
+    assert costs.sps_profile(second, target, 1, max_width=9).table == {int(b): s for b, s in pinned["sps"].items()}
+    assert costs.draft_seconds(second, 1) == pinned["chain_seconds"]
+    assert costs.tree_draft_seconds(second, 2) == pinned["tree_seconds"]["2"]
+    with pytest.raises(ValueError, match=r"pins no drafting cost for trees of top-k \[4\]"):
+        pin_costs(second, target, path, tree_top_k=[2, 4])
