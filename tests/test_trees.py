@@ -503,13 +503,39 @@ def test_a_draft_vocabulary_gives_the_same_tree_without_the_full_vocabulary(head
     assert _tree_generate(target, draft, ids, max_new_tokens=16, tree_top_k=3).tolist() == ref.tolist()
 
 
+def _drafted_tree(draft, seed: int, top_k: int, budget: int, settled=None) -> TokenTree:
+    """One row's tree from ``draft`` (block 6, float64) over a random 6-slot context drawn with ``seed``: anchor 9,
+    at most 5 deep, ``budget`` nodes, the schedule's ``settled`` if given."""
+    from hf_dspark.decoding.drafting import DraftContext
+    from hf_dspark.decoding.proposers import DraftTreeProposer, TreeRequest
+
+    ctx = DraftContext.empty(draft, 1, torch.device("cpu"))
+    feats = draft.fuse_context(torch.randn(1, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64,
+                                           generator=torch.Generator().manual_seed(seed)))  # fmt: skip
+    ctx.extend(feats, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
+    tree = TokenTree()
+    request = TreeRequest(
+        0, torch.tensor([7, 8, 9]), torch.tensor(6), 5, budget, LogitsProcessorList(), settled=settled
+    )
+    DraftTreeProposer(draft, ctx, top_k=top_k).propose([tree], [request])
+    return tree
+
+
+def _node_paths(tree: TokenTree, nodes) -> list[tuple[tuple[int, ...], float]]:
+    """Each node as (its token path from the anchor, its value): comparable across trees."""
+
+    def path(n):
+        return () if n < 0 else (*path(tree.parents[n]), tree.tokens[n])
+
+    return [(path(n), tree.values[n]) for n in nodes]
+
+
 @pytest.mark.parametrize("top_k", [3, 8])
 def test_a_budget_drafts_fewer_nodes_but_selects_the_unbounded_trees_best(top_k):
     """A round's node budget B bounds what the proposer adds (at most B children a depth, at most ``TREE_BEAM``
     parents expanded), and the B nodes selected are the same token paths, values and order as in the tree drafted
     without a budget."""
-    from hf_dspark.decoding.drafting import DraftContext
-    from hf_dspark.decoding.proposers import TREE_BEAM, DraftTreeProposer, TreeRequest
+    from hf_dspark.decoding.proposers import TREE_BEAM
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8)
@@ -517,21 +543,9 @@ def test_a_budget_drafts_fewer_nodes_but_selects_the_unbounded_trees_best(top_k)
         draft.sequential_head.markov_w2.weight.normal_(0, 3.0)
 
     def drafted(budget: int) -> TokenTree:
-        ctx = DraftContext.empty(draft, 1, torch.device("cpu"))
-        feats = draft.fuse_context(torch.randn(1, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64,
-                                               generator=torch.Generator().manual_seed(1)))  # fmt: skip
-        ctx.extend(feats, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
-        tree = TokenTree()
-        request = TreeRequest(0, torch.tensor([7, 8, 9]), torch.tensor(6), 5, budget, LogitsProcessorList())
-        DraftTreeProposer(draft, ctx, top_k=top_k).propose([tree], [request])
-        return tree
+        return _drafted_tree(draft, 1, top_k, budget)
 
-    def paths(tree: TokenTree, nodes: list[int]) -> list[tuple[tuple[int, ...], float]]:
-        def path(n):
-            return () if n < 0 else (*path(tree.parents[n]), tree.tokens[n])
-
-        return [(path(n), tree.values[n]) for n in nodes]
-
+    paths = _node_paths
     unbounded = drafted(10**6)
     expanded = min(top_k, TREE_BEAM)
     assert max(unbounded.depths) == 5 and len(unbounded) == top_k + 4 * expanded * top_k
@@ -550,9 +564,8 @@ def test_expansion_stops_once_the_schedule_cannot_change_its_choice(mode):
     from functools import partial
 
     from hf_dspark.decoding.config import DecodingConfig
-    from hf_dspark.decoding.drafting import DraftContext
     from hf_dspark.decoding.loop import TreeSchedule
-    from hf_dspark.decoding.proposers import DraftTreeProposer, TreeRequest
+    from hf_dspark.decoding.proposers import TreeRequest
     from hf_dspark.scheduling.policy import SPSProfile
 
     target = tiny_target("llama", dtype=torch.float64)
@@ -563,22 +576,9 @@ def test_expansion_stops_once_the_schedule_cannot_change_its_choice(mode):
     def drafted(seed: int, top_k: int, settled=None) -> TokenTree:
         with torch.no_grad():  # sure drafts (deep, slowly falling values) and unsure ones
             draft.confidence.confidence_head.bias.fill_(4.0 if seed % 2 else 0.0)
-        ctx = DraftContext.empty(draft, 1, torch.device("cpu"))
-        feats = draft.fuse_context(torch.randn(1, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64,
-                                               generator=torch.Generator().manual_seed(seed)))  # fmt: skip
-        ctx.extend(feats, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
-        tree = TokenTree()
-        request = TreeRequest(0, torch.tensor([7, 8, 9]), torch.tensor(6), 5, 24, LogitsProcessorList(),
-                              settled=settled)  # fmt: skip
-        DraftTreeProposer(draft, ctx, top_k=top_k).propose([tree], [request])
-        return tree
+        return _drafted_tree(draft, seed, top_k, 24, settled)
 
-    def paths(tree: TokenTree, nodes: list[int]) -> list[tuple[tuple[int, ...], float]]:
-        def path(n):
-            return () if n < 0 else (*path(tree.parents[n]), tree.tokens[n])
-
-        return [(path(n), tree.values[n]) for n in nodes]
-
+    paths = _node_paths
     profiles = [lambda B: 1 / (1 + 0.05 * B), lambda B: 1 / (1 + 0.3 * B), lambda B: 1 / (1 + 0.01 * B)]
     smaller = 0
     cases = [(k, threshold, sps) for k in (2, 3, 4) for threshold in (0.3, 0.1) for sps in profiles for _ in (0, 1)]
