@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hf_dspark.training.data import load_dataset
 from recipes.smollm2_prepare import ANSWERS
-from recipes.smollm2_train import STATE, in_fraction, is_held_out
+from recipes.smollm2_train import STATE, training_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,11 +32,6 @@ def tau_proxy(probe: dict) -> float:
         keep *= slot["accept"]
         tau += keep
     return tau
-
-
-def arm_rows(rows: list[dict], fraction: float) -> list[dict]:
-    """The training rows of one arm: not held out, inside the ``fraction`` subset."""
-    return [r for r in rows if not is_held_out(r) and in_fraction(r, fraction)]
 
 
 def run(cmd: list[str]) -> None:
@@ -81,7 +76,7 @@ def main() -> None:
         raise SystemExit(f"only {len(answers)} answer rows here, {args.rows} asked for")
     points = []
     for fraction in sorted(args.fractions):
-        rows = arm_rows(answers, fraction)
+        rows = training_rows(answers, fraction)
         steps = math.ceil(args.epochs * len(rows))
         name = f"{args.prefix}-f{fraction:g}-l{args.layers}-e{args.epochs:g}"
         if not (STATE / name / "final").is_dir():

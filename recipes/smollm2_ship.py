@@ -36,12 +36,12 @@ from recipes.smollm2_train import (
     MASK_TOKEN,
     STATE,
     build_draft,
-    in_fraction,
     is_held_out,
     read_recipe,
     recipe_loss,
     restarted_from,
     run_rows,
+    training_rows,
 )
 
 TARGET_WEIGHTS = (
@@ -224,7 +224,7 @@ def main() -> None:
     rows = run_rows(run, load_dataset(ANSWERS))  # the rows the run was pinned to, not what has been answered since
     held_out = [r for r in rows if is_held_out(r)]
     fraction = read_recipe(run).get("row_fraction", 1.0)
-    train_rows = [r for r in rows if not is_held_out(r) and in_fraction(r, fraction)]
+    train_rows = training_rows(rows, fraction)
 
     shipped = draft.to(torch.bfloat16)
     trained_vocab = shipped.draft_vocab  # load_run applied the run's own: it ships with exactly the one it trained over

@@ -55,6 +55,11 @@ def in_fraction(row: dict, fraction: float) -> bool:
     return zlib.crc32(b"subset:" + row["id"].split("@")[0].encode()) % 1024 < round(fraction * 1024)
 
 
+def training_rows(rows: list[dict], fraction: float = 1.0) -> list[dict]:
+    """The rows a run trains on: those not held out, inside its ``fraction`` subset (:func:`in_fraction`)."""
+    return [r for r in rows if not is_held_out(r) and in_fraction(r, fraction)]
+
+
 def recipe_references(tokenizer, answers: Path = REFERENCES) -> list[dict]:
     """Rows of reference answers (text the target did not write, issue #48) for every vendored prompt they answer,
     in the prompt files' order; held-out prompts are dropped by the caller like regenerated rows."""
@@ -223,7 +228,7 @@ def main() -> None:
     target, tokenizer = load_target()
     references = recipe_references(tokenizer) if read_recipe(out).get("references", args.references) else []
     fraction = read_recipe(out).get("row_fraction", args.row_fraction)  # a resume keeps its first start's
-    rows = [r for r in answers + references if not is_held_out(r) and in_fraction(r, fraction)]
+    rows = training_rows(answers + references, fraction)
     mask_token = spare_token(tokenizer, rows) if args.layout == "speculators" else None
     draft = build_draft(target, args.head, mask_token, args.layers)
     init_vocab = None if args.init_from is None else start_from(draft, args.init_from)
