@@ -1,10 +1,13 @@
 """Token trees against chains, same weights: τ and speed on the shipped eval sets, side by side in one run.
 
     python -m benchmarks.token_trees [--datasets humaneval gsm8k mt-bench] [--limit 30] [--max-new-tokens 96]
-        [--top-k 2 4] [--max-nodes 32] [--no-fixed] [--merged] [--threads 2] [--out benchmarks/results/token_trees]
+        [--top-k 2 4] [--max-nodes 32] [--no-fixed] [--merged] [--threads 2] [--dtype float32]
+        [--pin-costs FILE] [--out benchmarks/results/token_trees]
 
-The embedded SmolLM2 target and the shipped draft, greedy, in float32 on a CPU without bfloat16 units (forced to
-float32 everywhere, so the numbers are comparable across machines), 128 new tokens by default. Methods, interleaved
+The embedded SmolLM2 target and the shipped draft, greedy, 128 new tokens by default, in float32 by default (forced
+on a CPU with bfloat16 units, so the numbers compare with CPUs without them; ``--dtype bfloat16`` measures where
+multi-token verifies are nearly flat in their width, on such a CPU; outputs then part from plain greedy only at
+ties, which the bench checks). Methods, interleaved
 prompt by prompt through ``hf-dspark bench``'s loop (every output checked against plain greedy):
 
     plain, prompt-lookup       transformers' own (``prompt_lookup_num_tokens=10``)
@@ -155,6 +158,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--top-k", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--pin-costs", type=Path, default=None,
                     help="schedule with the costs pinned in this JSON (measured, written there if absent)")  # fmt: skip
     ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
@@ -175,7 +179,7 @@ def main() -> None:
         print(page)
         return
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_target(torch.float32)
+    target, tokenizer = load_target(getattr(torch, args.dtype))
     draft = DSparkDraftModel.from_pretrained(args.draft).attach(target).eval()
     if args.pin_costs is not None:
         widest = max(args.max_nodes or draft.config.num_draft_tokens * k for k in args.top_k)
@@ -184,7 +188,7 @@ def main() -> None:
         taus = tau_only(
             target, tokenizer, draft, args.datasets, args.limit, args.max_new_tokens, args.top_k, args.max_nodes
         )
-        setting = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "dtype": "float32", "mode": "fixed",
+        setting = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "mode": "fixed",
                    "max_nodes": args.max_nodes}  # fmt: skip
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tau_only.json").write_text(json.dumps({"setting": setting, "tau": taus}, indent=1))
@@ -193,7 +197,7 @@ def main() -> None:
     chosen = methods(target, draft, args.top_k, edges, args.max_nodes, fixed=not args.no_fixed, merged=args.merged)
     args.out.mkdir(parents=True, exist_ok=True)
     setting = {"draft": str(args.draft), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-               "top_k": args.top_k, "dtype": "float32", "threads": args.threads, "max_nodes": args.max_nodes,
+               "top_k": args.top_k, "dtype": args.dtype, "threads": args.threads, "max_nodes": args.max_nodes,
                "fixed": not args.no_fixed, "merged": args.merged,
                "pinned_costs": None if args.pin_costs is None else str(args.pin_costs)}  # fmt: skip
     # one-time costs (every verify profile a tree prices with, out to its node budget) before anything is timed

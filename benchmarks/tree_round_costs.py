@@ -1,10 +1,12 @@
 """Where a decoding round's time goes, chain against tree: the target's verify, the drafting, and everything else.
 
     python -m benchmarks.tree_round_costs [--datasets humaneval gsm8k mt-bench] [--limit 4] [--max-new-tokens 64]
-        [--top-k 16] [--max-nodes 32] [--threads 2] [--out benchmarks/results/token_trees/round_costs.json]
+        [--top-k 16] [--max-nodes 32] [--threads 2] [--dtype float32] [--pin-costs FILE]
+        [--out benchmarks/results/token_trees/round_costs.json]
 
-The embedded SmolLM2 target and the shipped draft, float32, greedy, scheduled verify with lookup (the shipped
-configuration), each prompt run as a chain and as a tree back to back. The loop's own functions are wrapped with
+The embedded SmolLM2 target and the shipped draft, float32 (``--dtype bfloat16`` on a CPU with bf16 units, where a
+tree and a chain may part at a tie of the logits, which stops the run), greedy, scheduled verify with lookup (the
+shipped configuration), each prompt run as a chain and as a tree back to back. The loop's own functions are wrapped with
 timers (no profiler, whose per-call overhead would charge the tree's extra Python calls unfairly): the target's
 forward (the verify; the prompt's prefill is timed apart and left out), the chain's ``draft_block``, the tree's
 ``propose_trees`` (backbone + expansion + lookup) and ``keep_paths`` (cache compaction). Milliseconds per round,
@@ -59,12 +61,13 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--max-nodes", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--pin-costs", type=Path, default=None,
                     help="schedule with the costs pinned in this JSON (measured, written there if absent)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "token_trees" / "round_costs.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_target(torch.float32)
+    target, tokenizer = load_target(getattr(torch, args.dtype))
     draft = DSparkDraftModel.from_pretrained(DRAFT_DIR).attach(target).eval()
     if args.pin_costs is not None:
         pin_costs(draft, target, args.pin_costs, max_width=args.max_nodes + 1, tree_top_k=[args.top_k])
@@ -131,7 +134,7 @@ def main() -> None:
             }
         print(dataset, json.dumps(results[dataset]), flush=True)
     setting = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
-               "max_nodes": args.max_nodes, "threads": args.threads, "dtype": "float32",
+               "max_nodes": args.max_nodes, "threads": args.threads, "dtype": args.dtype,
                "pinned_costs": None if args.pin_costs is None else str(args.pin_costs),
                "date": time.strftime("%F")}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -484,7 +484,7 @@ def test_batched_tree_node_choice_admits_ranks_across_rows():
 def test_pinned_costs_are_measured_once_and_then_set_without_measuring(tmp_path, monkeypatch):
     """benchmarks/pinned_costs.py: the first call measures the verify profile and drafting costs and writes them;
     a later call (a new process, here a new draft) sets exactly those numbers and measures nothing; a tree width
-    the file does not pin is refused by name."""
+    the file does not pin, or a draft in another dtype, is refused by name."""
     from benchmarks.pinned_costs import pin_costs
     from hf_dspark import DSparkDraftModel
 
@@ -507,3 +507,6 @@ def test_pinned_costs_are_measured_once_and_then_set_without_measuring(tmp_path,
     assert costs.tree_draft_seconds(second, 2) == pinned["tree_seconds"]["2"]
     with pytest.raises(ValueError, match=r"pins no drafting cost for trees of top-k \[4\]"):
         pin_costs(second, target, path, tree_top_k=[2, 4])
+    assert pinned["dtype"] == "float32" and pinned["device"] == "cpu"
+    with pytest.raises(ValueError, match=r"measured in dtype float32 on device cpu, but the draft runs in bfloat16"):
+        pin_costs(second.to(torch.bfloat16), target, path, tree_top_k=[2])
