@@ -521,3 +521,34 @@ def test_decode_calibration_refuses_a_draft_without_confidence_head():
     draft = DSparkDraftModel.from_target(target, block_size=4, confidence_head=False)
     with pytest.raises(ValueError, match="no confidence head"):
         collect_decode_confidence(target, draft, [[5, 6, 7]])
+
+
+@pytest.mark.parametrize("tree_top_k", [1, 3])
+def test_greedy_lookahead_verifies_past_a_drop_and_stays_plain_greedy(monkeypatch, tree_top_k):
+    """``greedy_lookahead``: on a profile with one drop (1 slot -> 2 costs 40% more, then flat), Algorithm 1's early
+    stop verifies a first draft token only if its survival passes 2/3, while lookahead takes the whole flat block
+    once its survivals add up to 2/3; chains and trees verify more tokens and decode exactly plain greedy. A
+    sampling call with the setting on plans with the early stop."""
+    from hf_dspark.scheduling.policy import SPSProfile
+
+    monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
+    monkeypatch.setattr(costs, "tree_draft_seconds", lambda draft, top_k, *a, **k: 0.0)
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0 if B == 1 else 0.6)
+    ids = _prompt(9)
+    reference = target.generate(ids, max_new_tokens=30, do_sample=False).tolist()
+    verified = {}
+    for lookahead in (False, True):
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, custom_generate=hf_dspark.dspark_generate,
+                              draft=draft, verify_mode="scheduled", confidence_recalibration=False,
+                              tree_top_k=tree_top_k, greedy_lookahead=lookahead)  # fmt: skip
+        assert out.tolist() == reference
+        verified[lookahead] = sum(draft.stats.proposed)
+    assert verified[True] > verified[False]
+    planned = []
+    original = loop.column_plan
+    monkeypatch.setattr(loop, "column_plan", lambda *a: planned.append(a[-1]) or original(*a))
+    target.generate(ids, max_new_tokens=6, do_sample=True, custom_generate=hf_dspark.dspark_generate, draft=draft,
+                    verify_mode="scheduled", greedy_lookahead=True)  # fmt: skip
+    assert planned and not any(planned)

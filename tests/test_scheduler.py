@@ -15,6 +15,7 @@ from hf_dspark.scheduling import costs
 from hf_dspark.scheduling.policy import (
     ColumnPlan,
     SPSProfile,
+    choose_tree_nodes,
     fill_top_k,
     plan_capacity,
     plan_capacity_width,
@@ -178,6 +179,64 @@ def test_column_plan_matches_the_whole_block_plans():
         expected = [next((j for j in range(cap) if conf[r, j] < threshold), cap) for r, cap in enumerate(caps)]
         assert plan.lengths == expected
         assert choose_lengths("threshold", conf, caps, [], sps, threshold) == expected
+
+
+def test_column_plan_with_lookahead_finds_the_best_width_of_all_columns():
+    """``lookahead`` (greedy decoding): the width with the best Θ over every column, past drops of a jagged profile
+    (the asynchronous planner's global search, on the current confidences), though the plan may close before the
+    last column once no later one can win; the early-stop plan never verifies more."""
+    rng = random.Random(11)
+    closed_early = grew = 0
+    for trial in range(300):
+        conf, sps = _random_problem(rng)
+        R, gamma = conf.shape
+        if trial % 2:  # a step profile, as measured: slots come in buckets of 3 that cost the same
+            sps = SPSProfile.from_table({b: sps.table[3 * ((b - 1) // 3) + 1] for b in sps.table})
+        caps = [rng.randint(0, gamma) for _ in range(R)]
+        zeroed = torch.where(torch.arange(gamma)[None] < torch.tensor(caps)[:, None], conf, 0.0)
+        plan = ColumnPlan(caps, sps=sps, lookahead=True)
+        said = _fed(plan, conf)
+        thetas = [_theta_padded(w, zeroed, sps) for w in range(max(caps) + 1)]  # no row verifies past its cap
+        width = plan.width
+        assert thetas[width] >= max(thetas) * (1 - 1e-12) and plan.lengths == [min(width, cap) for cap in caps]
+        assert all(theta < thetas[width] * (1 - 1e-12) for theta in thetas[:width])  # the fewest among equals
+        assert len(said) >= width and said[:-1] == [True] * (len(said) - 1)
+        closed_early += not said[-1] and len(said) < gamma
+        grew += width > plan_verify_width(zeroed, sps)
+    assert closed_early >= 30 and grew >= 1
+    # one row on the bf16 step profile of the embedded target (see the tree test below): the early stop ends at the
+    # 4 -> 5 slot step (3 tokens); the 5 survivals after it (0.25 ... 0.10) ride one flat stretch, and lookahead
+    # verifies all 8
+    jagged = SPSProfile.from_table({1: 26.2, 2: 24.8, 3: 24.8, 4: 24.5, 5: 22.4, 9: 22.4, 13: 22.3})
+    conf = torch.tensor([[0.8, 0.75, 0.7, 0.6, 0.8, 0.8, 0.8, 0.8]], dtype=torch.float64)
+    plan = ColumnPlan([8], sps=jagged, lookahead=True)
+    assert _fed(plan, conf) == [True] * 7 + [False] and plan.lengths == [8]
+    assert plan_verify_width(conf, jagged) == 3
+    with pytest.raises(ValueError, match="lookahead plans with an SPS profile"):
+        ColumnPlan([2], threshold=0.5, lookahead=True)
+
+
+def test_tree_choice_with_lookahead_is_the_best_count_of_all():
+    """choose_tree_nodes(lookahead=True) returns the node count with the best Θ (the fewest among equals); the
+    early stop returns the first local best; a flat stretch after a drop is what lookahead reaches."""
+    rng = random.Random(5)
+    for _ in range(200):
+        values = sorted((rng.random() for _ in range(rng.randint(1, 20))), reverse=True)
+        rates = sorted((rng.uniform(0.1, 2.0) for _ in range(len(values) + 1)), reverse=True)
+        sps = SPSProfile.from_table({b: rates[b - 1] for b in range(1, len(values) + 2)})
+        drafting = rng.choice([0.0, 0.05])
+        priced = sps.plus_seconds(drafting)
+        thetas = [(1 + sum(values[:B])) * priced(1 + B) for B in range(len(values) + 1)]
+        best = max(range(len(thetas)), key=lambda B: thetas[B])
+        assert choose_tree_nodes("scheduled", values, sps, 0.5, drafting, lookahead=True)[0] == best
+        assert choose_tree_nodes("scheduled", values, sps, 0.5, drafting)[0] <= best
+    # the bf16 verify profile of the embedded target on a 2-core CPU (pinned_costs_bfloat16.json, rounded): the step
+    # from 4 to 5 slots stops Algorithm 1 at 3 nodes (Θ 56.4 -> 54.9), but 5 to 9 slots cost the same, and all 8
+    # nodes reach Θ 65.9
+    jagged = SPSProfile.from_table({1: 26.2, 2: 24.8, 3: 24.8, 4: 24.5, 5: 22.4, 9: 22.4, 13: 22.3})
+    values = [0.6, 0.4, 0.3, 0.15, 0.14, 0.13, 0.12, 0.1]
+    assert choose_tree_nodes("scheduled", values, jagged, 0.5) == (3, True)
+    assert choose_tree_nodes("scheduled", values, jagged, 0.5, lookahead=True) == (8, True)
 
 
 def test_column_plan_bad_input():

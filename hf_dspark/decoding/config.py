@@ -51,6 +51,12 @@ class DecodingConfig:
             one row.
         confidence_recalibration: (``scheduled``/``async``) shift the head's confidences, per call, toward the
             acceptance observed in that call's own earlier rounds (``hf_dspark.scheduling.recalibration``).
+        greedy_lookahead: (``scheduled``, greedy decoding) choose the verify width (a tree's node count) with the
+            best Θ among all of them instead of stopping at the first that does not raise Θ, so a jagged SPS
+            profile (flat from 5 to 21 slots in bfloat16 on a CPU with bf16 units) does not end the plan at its
+            first step. Lossless in greedy decoding, where the kept tokens are the target's own choices whatever
+            is verified; sampling calls always keep the early stop, which is what keeps them exact (a plan that
+            looked past a drop would verify a sampled token according to the token itself).
     Lookup drafting (``hf_dspark.decoding.lookup``; off while ``lookup_max_ngram`` is 0):
         lookup_max_ngram, lookup_min_ngram: in a round with one row running, if the row's last n tokens (n from
             ``lookup_max_ngram`` down to ``lookup_min_ngram``) occurred earlier in its history, the tokens that
@@ -73,6 +79,7 @@ class DecodingConfig:
     confidence_threshold: float = 0.5
     verify_layout: str = "padded"
     confidence_recalibration: bool = True
+    greedy_lookahead: bool = False
     lookup_max_ngram: int = 0
     lookup_min_ngram: int = 2
     lookup_max_tokens: int | None = None
@@ -100,6 +107,8 @@ class DecodingConfig:
             raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {self.verify_layout!r}")
         if not isinstance(self.confidence_recalibration, bool):
             raise ValueError(f"confidence_recalibration must be True or False, got {self.confidence_recalibration!r}")
+        if not isinstance(self.greedy_lookahead, bool):
+            raise ValueError(f"greedy_lookahead must be True or False, got {self.greedy_lookahead!r}")
         if not _is_int(self.lookup_max_ngram, 0):
             raise ValueError(f"lookup_max_ngram must be an int >= 0 (0: off), got {self.lookup_max_ngram!r}")
         if self.lookup_max_ngram and not (

@@ -18,6 +18,7 @@ at the end of a round are cropped, so a single row never carries holes. docs/des
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -29,7 +30,15 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from ..integration.versions import CACHE_FIELD, cache_argument, cache_from, takes_logits_to_keep
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.costs import profile_rows, round_prices, sps_profile, tree_draft_seconds
-from ..scheduling.policy import ColumnPlan, SPSProfile, choose_lengths, choose_tree_nodes, column_plan, drafting_pays
+from ..scheduling.policy import (
+    ColumnPlan,
+    SPSProfile,
+    choose_lengths,
+    choose_tree_nodes,
+    column_plan,
+    drafting_pays,
+    lookahead_tree_settled,
+)
 from ..scheduling.recalibration import AcceptanceRecalibration
 from .checks import check_cache, check_finite, check_supported, keep_cache_slots, sliding_window, tree_refusal
 from .config import DecodingConfig
@@ -352,8 +361,9 @@ class Schedule:
         caps = [0 if self.skip or r in looked_up else room[r] for r in range(state.size)]
         self.skip = max(self.skip - 1, 0)
         planner = column_plan(
-            s.verify_mode, s.verify_layout, caps, self.planning, s.confidence_threshold, self.recalibration
-        )
+            s.verify_mode, s.verify_layout, caps, self.planning, s.confidence_threshold, self.recalibration,
+            s.greedy_lookahead,
+        )  # fmt: skip
         return RoundPlan(caps, looked_up, planner)
 
     def lookup_room(self, state: DecodeState, max_length: int) -> list[int]:
@@ -528,7 +538,9 @@ class TreeSchedule:
         if not self.priced:
             return choose_tree_nodes(s.verify_mode, values, None, s.confidence_threshold)
         drafting = self.drafting * drafted
-        return choose_tree_nodes(s.verify_mode, values, self.sps, s.confidence_threshold, drafting, rows, generating)
+        return choose_tree_nodes(
+            s.verify_mode, values, self.sps, s.confidence_threshold, drafting, rows, generating, s.greedy_lookahead
+        )
 
     def settled(self, rows: int, max_depth: int, tree: TokenTree, bound: float, depth: int) -> bool:
         """Whether one generating row's choice from the drafted ``tree`` is final while nodes are still to come,
@@ -539,6 +551,13 @@ class TreeSchedule:
         ranked = tree.ranked(max_depth)[: self.budget]
         values = [tree.values[n] for n in ranked]
         count = self.count(values, rows, 1, 1)[0]
+        if self.priced and self.settings.greedy_lookahead:  # the choice may still grow past a drop: bound it
+            # the leading nodes that rank before any node still to come (ranked is by value, ties shallower first)
+            ahead = [
+                v > bound or (v == bound and tree.depths[n] <= depth + 1) for v, n in zip(values, ranked, strict=True)
+            ]
+            head = ahead.index(False) if False in ahead else len(ahead)
+            return lookahead_tree_settled(values, count, head, bound, self.budget, self.sps, self.drafting, rows)
         if count >= len(values):
             return False
         stop = values[count]
@@ -695,7 +714,10 @@ def dspark_decode(
     outputs = Outputs(stats, returned and g.output_scores, returned and g.output_logits, streamer)
     # rows leave the batch as they finish, unless the caller asked for the cache back (it then covers every row)
     compact = hasattr(cache, "batch_select_indices") and not returned
-    schedule = Schedule(settings or draft.decoding.resolve(draft.confidence is not None), draft.config.num_draft_tokens)
+    settings = settings or draft.decoding.resolve(draft.confidence is not None)
+    if g.do_sample and settings.greedy_lookahead:  # sampling keeps Algorithm 1's early stop: it is what keeps it exact
+        settings = dataclasses.replace(settings, greedy_lookahead=False)
+    schedule = Schedule(settings, draft.config.num_draft_tokens)
     with LayerTap(target, draft) as tap:
         state = prefill(target, draft, input_ids, model_kwargs, cache, tap, rules, g.max_length, pad_id, outputs)
         trees = tree_schedule(draft, target, cache, schedule.settings, stats)

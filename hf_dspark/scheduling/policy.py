@@ -134,6 +134,10 @@ class ColumnPlan:
     Θ(ℓ) = (R + Σ_r Σ_{j ≤ ℓ} a_{r,j})·SPS(R·(1 + ℓ)) improves, a = prefix survival, and the first column that
     does not improve Θ ends the plan. O(R) per column, so the check after each drafted slot costs no re-plan.
     ``recalibration`` (with ``sps``): shift each column's confidences by what the call has observed so far.
+    ``lookahead`` (with ``sps``; greedy decoding only, see ``DecodingConfig.greedy_lookahead``): the plan is the
+    width with the best Θ of all columns seen, and it closes only once no later column could beat that best even
+    if every row's survival stayed where it is (Θ's bound (τ + (j − k)·Σ_r a_r)·SPS(R·(1 + j)) for every j up to
+    the largest cap), so :meth:`admit` then says whether drafting should go on, not whether the column is verified.
     """
 
     def __init__(
@@ -142,16 +146,21 @@ class ColumnPlan:
         sps: SPSProfile | Callable[[int], float] | None = None,
         threshold: float | None = None,
         recalibration: AcceptanceRecalibration | None = None,
+        lookahead: bool = False,
     ):
         if (sps is None) == (threshold is None):
             raise ValueError("give exactly one of sps (scheduled) or threshold")
         if recalibration is not None and threshold is not None:
             raise ValueError("a threshold applies to the head's own confidences: no recalibration")
+        if lookahead and sps is None:
+            raise ValueError("lookahead plans with an SPS profile (scheduled), not a threshold")
         self.caps, self.sps, self.threshold, self.recalibration = list(caps), sps, threshold, recalibration
+        self.lookahead = lookahead
         R = len(self.caps)
         self.survival = [1.0] * R  # a_{r,ℓ}; with a threshold, 1.0 while row r's prefix passes, else 0.0
         self.passed = [0] * R  # with a threshold: each row's passing prefix
         self.width, self.closed = 0, False
+        self.columns = 0  # columns fed so far (the width stops growing at a drop under lookahead)
         self.tau = float(R)
         self.theta = self.tau * sps(R) if sps is not None else 0.0
 
@@ -164,7 +173,8 @@ class ColumnPlan:
             raise ValueError(f"a column of {len(values)} confidences for {len(self.caps)} rows")
         if not all(0.0 <= c <= 1.0 for c in values):  # also rejects NaN
             raise ValueError("confidences must be probabilities in [0, 1]")
-        k, R = self.width + 1, len(self.caps)
+        self.columns += 1
+        k, R = self.columns, len(self.caps)
         if self.recalibration is not None:  # shift the column as given (a tensor from the draft), not a list copy
             raw = column if isinstance(column, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
             values = self.recalibration.apply(raw, start=k - 1).tolist()
@@ -176,6 +186,16 @@ class ColumnPlan:
             self.survival[r] *= c
         if self.threshold is not None:
             admitted = any(self.survival)
+        elif self.lookahead:
+            self.tau += sum(self.survival)
+            if self.tau * self.sps(R * (1 + k)) > self.theta:
+                self.width, self.theta = k, self.tau * self.sps(R * (1 + k))
+            rest = sum(self.survival)  # no later column adds more than this to τ
+            self.closed = not any(
+                (self.tau + (j - k) * rest) * self.sps(R * (1 + j)) > self.theta
+                for j in range(k + 1, max(self.caps) + 1)
+            )
+            return not self.closed
         else:
             tau = self.tau + sum(self.survival)
             theta = tau * self.sps(R * (1 + k))
@@ -318,16 +338,17 @@ def choose_lengths(
 
 
 def column_plan(
-    mode: str, layout: str, caps: list[int], sps, threshold: float, recalibration=None
+    mode: str, layout: str, caps: list[int], sps, threshold: float, recalibration=None, lookahead: bool = False
 ) -> ColumnPlan | None:
     """A :class:`ColumnPlan` for the modes whose plan closes at the first column no row verifies, so drafting can
     stop there: ``threshold``, and ``scheduled`` on the padded layout (or one row, where a column is a token).
     None for the others: ``fixed``, packed multi-row Algorithm 1 (a later column's token could sort before an
-    earlier row's) and ``async`` (it sizes from full past blocks). ``recalibration`` applies to ``scheduled``."""
+    earlier row's) and ``async`` (it sizes from full past blocks). ``recalibration`` and ``lookahead`` (see
+    :class:`ColumnPlan`) apply to ``scheduled``."""
     if mode == "threshold":
         return ColumnPlan(caps, threshold=threshold)
     if mode == "scheduled" and (layout == "padded" or len(caps) == 1):
-        return ColumnPlan(caps, sps=sps, recalibration=recalibration)
+        return ColumnPlan(caps, sps=sps, recalibration=recalibration, lookahead=lookahead)
     return None
 
 
@@ -339,6 +360,7 @@ def choose_tree_nodes(
     draft_seconds: float = 0.0,
     rows: int = 1,
     generating: int = 1,
+    lookahead: bool = False,
 ) -> tuple[int, bool]:
     """How many of a tree's best nodes to verify, ``values`` being their path values (estimated probabilities that
     the target's walk reaches them) in the order :meth:`hf_dspark.decoding.tree.TokenTree.ranked` gives them (ancestors
@@ -353,7 +375,10 @@ def choose_tree_nodes(
     A batch of ``rows`` rows, ``generating`` of them still generating, verifies [rows, 1 + B] slots: ``values[i]``
     is then the sum over the generating rows of their (i + 1)-th best node's value, τ starts at ``generating`` (each
     row's correction or bonus token), a step of width 1 + B costs 1 / SPS(rows · (1 + B)), and a plain step commits
-    ``generating`` tokens at SPS(rows)."""
+    ``generating`` tokens at SPS(rows).
+
+    ``lookahead`` (greedy decoding only, see ``DecodingConfig.greedy_lookahead``): the count with the best Θ of all,
+    past any drop (the fewest nodes among equals)."""
     if mode == "threshold":
         return next((i for i, v in enumerate(values) if v < threshold), len(values)), True
     if mode not in PRICED_MODES:
@@ -363,6 +388,31 @@ def choose_tree_nodes(
     for B, value in enumerate(values, start=1):
         tau += value
         if tau * priced(rows * (1 + B)) <= theta:
+            if lookahead:
+                continue
             break
         theta, chosen = tau * priced(rows * (1 + B)), B
     return chosen, chosen > 0 and theta > generating * sps(rows)
+
+
+def lookahead_tree_settled(
+    values: list[float],
+    count: int,
+    head: int,
+    bound: float,
+    budget: int,
+    sps: SPSProfile,
+    draft_seconds: float = 0.0,
+    rows: int = 1,
+) -> bool:
+    """Whether one row's ``lookahead`` choice of ``count`` nodes (:func:`choose_tree_nodes`) from a partly drafted
+    tree is final: nodes still to come are each worth at most ``bound`` and rank after the ``head`` leading ones,
+    so no prefix of the final ranking longer than ``head`` reaches τ beyond 1 + Σ values[:head] + (B − head)·bound.
+    Final when ``count`` ≤ ``head`` and that bound's Θ stays at or below the chosen Θ for every B up to ``budget``
+    (lookahead takes a longer prefix only when it raises Θ)."""
+    if count > head:
+        return False
+    priced = sps.plus_seconds(draft_seconds)
+    best = (1 + sum(values[:count])) * priced(rows * (1 + count))
+    base = 1 + sum(values[:head])
+    return all((base + (B - head) * bound) * priced(rows * (1 + B)) <= best for B in range(head + 1, budget + 1))
