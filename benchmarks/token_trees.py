@@ -2,7 +2,7 @@
 
     python -m benchmarks.token_trees [--datasets humaneval gsm8k mt-bench] [--limit 30] [--max-new-tokens 96]
         [--top-k 2 4] [--max-nodes 32] [--no-fixed] [--merged] [--threads 2] [--dtype float32]
-        [--pin-costs FILE] [--out benchmarks/results/token_trees]
+        [--lookahead] [--pin-costs FILE] [--out benchmarks/results/token_trees]
 
 The embedded SmolLM2 target and the shipped draft, greedy, 128 new tokens by default, in float32 by default (forced
 on a CPU with bfloat16 units, so the numbers compare with CPUs without them; ``--dtype bfloat16`` measures where
@@ -17,6 +17,8 @@ prompt by prompt through ``hf-dspark bench``'s loop (every output checked agains
     chain-scheduled+lookup     the shipped configuration before trees (scheduled, lookup replaces the block)
     treeK-scheduled+lookup     trees with lookup branches, nodes chosen by the scheduler (a row whose lookup finds
                                a continuation verifies it alone; ``-merged`` with --merged: drafted too, one tree)
+    ...-lookahead              with --lookahead: the scheduled chain and trees with ``greedy_lookahead=True`` (the
+                               best width of all, past a drop of the SPS profile)
 
 Also reports the calibration of the trees' node values (expected calibration error over 10 bins, top children and
 the others apart) from ``dspark_stats.tree_edges``. Prints tables and writes ``<out>/token_trees.json``;
@@ -56,11 +58,12 @@ def ece(pairs: list[tuple[float, bool]], bins: int = 10) -> float | None:
 
 def methods(
     target, draft, top_ks: list[int], edges: dict[str, list], max_nodes: int | None = None, fixed: bool = True,
-    merged: bool = False,
+    merged: bool = False, lookahead: bool = False,
 ) -> list[Method]:  # fmt: skip
     """The compared methods; trees verify at most ``max_nodes`` nodes a round (default γ · K); ``fixed=False``
     leaves out the fixed-verify rows (their τ is measured on more prompts by ``--tau-only``); ``merged`` adds each
-    scheduled tree with ``tree_lookup_merge=True`` (rows with a lookup continuation drafted too)."""
+    scheduled tree with ``tree_lookup_merge=True`` (rows with a lookup continuation drafted too); ``lookahead`` adds the
+    scheduled chain and each scheduled tree with ``greedy_lookahead=True`` (``-lookahead``)."""
     gamma = draft.config.num_draft_tokens
 
     def dspark(name: str, **settings) -> Method:
@@ -82,10 +85,14 @@ def methods(
         for k in top_ks:
             chosen.append(dspark(f"tree{k}-fixed", verify_mode="fixed", verify_limit=max_nodes or gamma * k,
                                  lookup_max_ngram=0, tree_top_k=k))  # fmt: skip
-    chosen.append(dspark("chain-scheduled+lookup", verify_mode="scheduled", tree_top_k=1))
+    for ahead in (False, True) if lookahead else (False,):
+        tail = "-lookahead" if ahead else ""
+        chosen.append(dspark(f"chain-scheduled+lookup{tail}", verify_mode="scheduled", tree_top_k=1,
+                             greedy_lookahead=ahead))  # fmt: skip
+        for k in top_ks:
+            chosen.append(dspark(f"tree{k}-scheduled+lookup{tail}", verify_mode="scheduled", verify_limit=max_nodes,
+                                 tree_top_k=k, greedy_lookahead=ahead))  # fmt: skip
     for k in top_ks:
-        chosen.append(dspark(f"tree{k}-scheduled+lookup", verify_mode="scheduled", verify_limit=max_nodes,
-                             tree_top_k=k))  # fmt: skip
         if merged:
             chosen.append(dspark(f"tree{k}-scheduled+lookup-merged", verify_mode="scheduled", verify_limit=max_nodes,
                                  tree_top_k=k, tree_lookup_merge=True))  # fmt: skip
@@ -172,6 +179,8 @@ def main() -> None:
                     help="time only plain, prompt lookup and the scheduled methods")  # fmt: skip
     ap.add_argument("--merged", action="store_true",
                     help="also each scheduled tree with tree_lookup_merge=True")  # fmt: skip
+    ap.add_argument("--lookahead", action="store_true",
+                    help="also the scheduled chain and trees with greedy_lookahead=True")  # fmt: skip
     args = ap.parse_args()
     if args.report:
         page = report(json.loads((args.out / "token_trees.json").read_text()))
@@ -194,11 +203,12 @@ def main() -> None:
         (args.out / "tau_only.json").write_text(json.dumps({"setting": setting, "tau": taus}, indent=1))
         return
     edges: dict[str, list] = {}
-    chosen = methods(target, draft, args.top_k, edges, args.max_nodes, fixed=not args.no_fixed, merged=args.merged)
+    chosen = methods(target, draft, args.top_k, edges, args.max_nodes, fixed=not args.no_fixed, merged=args.merged,
+                     lookahead=args.lookahead)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     setting = {"draft": str(args.draft), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
                "top_k": args.top_k, "dtype": args.dtype, "threads": args.threads, "max_nodes": args.max_nodes,
-               "fixed": not args.no_fixed, "merged": args.merged,
+               "fixed": not args.no_fixed, "merged": args.merged, "lookahead": args.lookahead,
                "pinned_costs": None if args.pin_costs is None else str(args.pin_costs)}  # fmt: skip
     # one-time costs (every verify profile a tree prices with, out to its node budget) before anything is timed
     warm = tokenizer("def fibonacci(n):", return_tensors="pt")["input_ids"]
