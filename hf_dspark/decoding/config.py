@@ -51,8 +51,9 @@ class DecodingConfig:
             one row.
         confidence_recalibration: (``scheduled``/``async``) shift the head's confidences, per call, toward the
             acceptance observed in that call's own earlier rounds (``hf_dspark.scheduling.recalibration``).
-        greedy_lookahead: (``scheduled``, greedy decoding) choose the verify width (a tree's node count) with the
-            best Θ among all of them instead of stopping at the first that does not raise Θ, so a jagged SPS
+        greedy_lookahead: (``scheduled`` on the ``padded`` layout, one row, or trees; greedy decoding) choose the
+            verify width (a tree's node count) with the best Θ among all of them instead of stopping at the first
+            that does not raise Θ (the ``packed`` multi-row plan keeps its early stop), so a jagged SPS
             profile (flat from 5 to 21 slots in bfloat16 on a CPU with bf16 units) does not end the plan at its
             first step. Lossless in greedy decoding, where the kept tokens are the target's own choices whatever
             is verified; sampling calls always keep the early stop, which is what keeps them exact (a plan that
