@@ -8,7 +8,8 @@ For R concurrent prompts of mixed domains (first turns of gsm8k, humaneval, mt-b
 plain batched ``generate``, DSpark ``fixed`` with γ ∈ {2, 4, 8} (``verify_limit``), ``scheduled``,
 ``scheduled-packed`` (the paper's per-token Algorithm 1, which prices a token as one slot although this loop
 verifies a padded [R, 1 + ℓ] block), ``async``, ``scheduled-tree-K`` (each row its own token tree of top-K children,
-at most 16 nodes for K = 2 and 32 for K = 4 and 16), and a measured hindsight oracle: a run in which each row verifies
+at most 16 nodes for K = 2 and 32 for K = 4 and 16), ``scheduled-lookahead`` and ``scheduled-tree-K-lookahead``
+(the same with ``greedy_lookahead=True``), and a measured hindsight oracle: a run in which each row verifies
 exactly the draft tokens that plain greedy's output shows were going to be accepted (no rejected token is ever
 verified). The oracle bounds what a verify-length policy can gain where a verify step's cost grows with its
 tokens; where it does not (bfloat16 on CPUs with native bf16 units, up to ~10 tokens), verifying more costs
@@ -119,7 +120,8 @@ def run_modes(
     modes = {"plain": None, **{f"fixed-{g}": ("fixed", g) for g in (2, 4, 8) if g <= gamma},
              "scheduled": ("scheduled", None), "scheduled-packed": ("scheduled", None), "async": ("async", None),
              "oracle": ("fixed", None), "scheduled+lookup": ("scheduled", None),
-             **{name: ("scheduled", None) for name in TREE_MODES}}  # fmt: skip
+             **{name: ("scheduled", None) for name in TREE_MODES},
+             **{f"{name}-lookahead": ("scheduled", None) for name in ("scheduled", *TREE_MODES)}}  # fmt: skip
     if only:  # plain always runs (the oracle reads its output, and it is every ratio's baseline)
         modes = {name: setting for name, setting in modes.items() if setting is None or name in only}
     totals = {name: {"tokens": 0, "seconds": 0.0, "committed": 0, "rounds": 0, "budget": [], "passes": []}
@@ -137,12 +139,13 @@ def run_modes(
                     references[b] = out.tolist()
                 else:
                     mode, limit = setting
-                    tree_top_k, nodes = TREE_MODES.get(name, (1, gamma))
+                    tree_top_k, nodes = TREE_MODES.get(name.removesuffix("-lookahead"), (1, gamma))
                     settings = {
                         "verify_mode": mode, "verify_limit": limit or nodes, "tree_top_k": tree_top_k,
                         "verify_layout": "packed" if name.endswith("-packed") else "padded",
                         # the shipped lookup drafting, for its own row only: the others compare verify modes
                         "lookup_max_ngram": 3 if name.endswith("+lookup") else 0,
+                        "greedy_lookahead": name.endswith("-lookahead"),
                     }  # fmt: skip
                     with hindsight(references[b], diverged[b]) if name == "oracle" else nullcontext():
                         out = target.generate(ids, custom_generate=dspark_generate, draft=draft, **settings, **kw)
@@ -178,7 +181,7 @@ def markdown(result: dict) -> str:
     whose modes ran: best fixed, the oracle, and the best token-tree mode against the chain)."""
     rows = result["rows"]
     names = [k for k in rows[0] if k not in ("R", "prompts")]
-    trees = [k for k in names if k in TREE_MODES]
+    trees = [k for k in names if k.removesuffix("-lookahead") in TREE_MODES]
     fixed = [k for k in names if k.startswith("fixed")]
     ratios = {
         "scheduled / best fixed": (fixed, lambda row: _ratio(row["scheduled"], _fastest(row, fixed))),
@@ -269,7 +272,8 @@ def main() -> None:
         sizes = sorted({loop.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
         measure_sps(draft, *sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
         sps = {R: costs.sps_profile(draft, target, R).table for R in sizes}
-        for k, nodes in {TREE_MODES[name] for name in TREE_MODES if not args.modes or name in args.modes}:
+        wanted = {name.removesuffix("-lookahead") for name in args.modes or TREE_MODES}
+        for k, nodes in {TREE_MODES[name] for name in TREE_MODES if name in wanted}:
             costs.tree_draft_seconds(draft, k)  # what the tree modes price with, also measured before any timing
             for R in sizes:
                 costs.sps_profile(draft, target, R, max_width=nodes + 1)
