@@ -25,6 +25,9 @@ from hf_dspark.scheduling.policy import (
 from hf_dspark.testing import tiny_target
 
 COUNTEREXAMPLE = SPSProfile.from_table({1: 1.0, 2: 0.5, 3: 0.45})
+# the bf16 verify profile of the embedded target on a 2-core CPU (pinned_costs_bfloat16.json, rounded): 2-4 slots cost
+# ~1.05x one slot, then a step to 5 slots, then flat to 9 and beyond
+BF16_STEPS = SPSProfile.from_table({1: 26.2, 2: 24.8, 3: 24.8, 4: 24.5, 5: 22.4, 9: 22.4, 13: 22.3})
 
 
 def plan_without_early_stop(confidences, sps):
@@ -204,10 +207,9 @@ def test_column_plan_with_lookahead_finds_the_best_width_of_all_columns():
         closed_early += not said[-1] and len(said) < gamma
         grew += width > plan_verify_width(zeroed, sps)
     assert closed_early >= 30 and grew >= 1
-    # one row on the bf16 step profile of the embedded target (see the tree test below): the early stop ends at the
-    # 4 -> 5 slot step (3 tokens); the 5 survivals after it (0.25 ... 0.10) ride one flat stretch, and lookahead
-    # verifies all 8
-    jagged = SPSProfile.from_table({1: 26.2, 2: 24.8, 3: 24.8, 4: 24.5, 5: 22.4, 9: 22.4, 13: 22.3})
+    # one row on BF16_STEPS: the early stop ends at the 4 -> 5 slot step (3 tokens); the 5 survivals after it
+    # (0.25 ... 0.10) ride one flat stretch, and lookahead verifies all 8
+    jagged = BF16_STEPS
     conf = torch.tensor([[0.8, 0.75, 0.7, 0.6, 0.8, 0.8, 0.8, 0.8]], dtype=torch.float64)
     plan = ColumnPlan([8], sps=jagged, lookahead=True)
     assert _fed(plan, conf) == [True] * 7 + [False] and plan.lengths == [8]
@@ -230,10 +232,9 @@ def test_tree_choice_with_lookahead_is_the_best_count_of_all():
         best = max(range(len(thetas)), key=lambda B: thetas[B])
         assert choose_tree_nodes("scheduled", values, sps, 0.5, drafting, lookahead=True)[0] == best
         assert choose_tree_nodes("scheduled", values, sps, 0.5, drafting)[0] <= best
-    # the bf16 verify profile of the embedded target on a 2-core CPU (pinned_costs_bfloat16.json, rounded): the step
-    # from 4 to 5 slots stops Algorithm 1 at 3 nodes (Θ 56.4 -> 54.9), but 5 to 9 slots cost the same, and all 8
-    # nodes reach Θ 65.9
-    jagged = SPSProfile.from_table({1: 26.2, 2: 24.8, 3: 24.8, 4: 24.5, 5: 22.4, 9: 22.4, 13: 22.3})
+    # on BF16_STEPS the step from 4 to 5 slots stops Algorithm 1 at 3 nodes (Θ 56.4 -> 54.9), but 5 to 9 slots cost
+    # the same, and all 8 nodes reach Θ 65.9
+    jagged = BF16_STEPS
     values = [0.6, 0.4, 0.3, 0.15, 0.14, 0.13, 0.12, 0.1]
     assert choose_tree_nodes("scheduled", values, jagged, 0.5) == (3, True)
     assert choose_tree_nodes("scheduled", values, jagged, 0.5, lookahead=True) == (8, True)

@@ -553,10 +553,12 @@ class TreeSchedule:
         count = self.count(values, rows, 1, 1)[0]
         if self.priced and self.settings.greedy_lookahead:  # the choice may still grow past a drop: bound it
             # the leading nodes that rank before any node still to come (ranked is by value, ties shallower first)
-            ahead = [
-                v > bound or (v == bound and tree.depths[n] <= depth + 1) for v, n in zip(values, ranked, strict=True)
-            ]
-            head = ahead.index(False) if False in ahead else len(ahead)
+            later = (
+                i
+                for i, n in enumerate(ranked)
+                if values[i] < bound or (values[i] == bound and tree.depths[n] > depth + 1)
+            )
+            head = next(later, len(ranked))
             return lookahead_tree_settled(values, count, head, bound, self.budget, self.sps, self.drafting, rows)
         if count >= len(values):
             return False

@@ -187,10 +187,11 @@ class ColumnPlan:
         if self.threshold is not None:
             admitted = any(self.survival)
         elif self.lookahead:
-            self.tau += sum(self.survival)
-            if self.tau * self.sps(R * (1 + k)) > self.theta:
-                self.width, self.theta = k, self.tau * self.sps(R * (1 + k))
-            rest = sum(self.survival)  # no later column adds more than this to τ
+            rest = sum(self.survival)  # this column's τ, and the most any later column can add
+            self.tau += rest
+            theta = self.tau * self.sps(R * (1 + k))
+            if theta > self.theta:
+                self.width, self.theta = k, theta
             self.closed = not any(
                 (self.tau + (j - k) * rest) * self.sps(R * (1 + j)) > self.theta
                 for j in range(k + 1, max(self.caps) + 1)
