@@ -57,5 +57,5 @@ def pin_costs(
     table = measured_draft_seconds(draft)
     table[(1, False, device, draft.dtype)] = costs["chain_seconds"]
     for k, seconds in costs["tree_seconds"].items():
-        table[("tree", int(k), device, draft.dtype)] = seconds
+        table[("tree", int(k), 1, device, draft.dtype)] = seconds
     return costs

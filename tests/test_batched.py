@@ -96,7 +96,7 @@ def test_finished_rows_leave_the_batch(mode, tree_top_k, monkeypatch):
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.decoding.verify_mode = mode
     draft.decoding.tree_top_k = tree_top_k
-    monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k: 0.0)  # its timing drafts one-row trees
+    monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k, rows: 0.0)  # its timing drafts trees too
     measured, draft_rows, verify_rows = [], [], []
     fake = lambda t, grid, rows: measured.append(rows) or SPSProfile.from_callable(lambda B: 1 / B**0.1)  # noqa: E731
     monkeypatch.setattr(costs, "measure_profile", fake)

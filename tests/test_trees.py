@@ -664,3 +664,54 @@ def test_tree_scores_and_streamer_match_plain_generate():
     for mine, theirs in zip(out.logits, ref.logits, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
     assert [t for part in streamer.parts[1:] for t in part] == out.sequences[0, ids.shape[1] :].tolist()
+
+
+def test_a_batch_prices_its_tree_drafting_once_a_round():
+    """The rows of a batch share the backbone pass, so a round of trees is priced at the batch's drafting cost, once:
+    the schedule's count is Algorithm 1's over the summed values with that cost, and a round that one row's cost
+    times R would have called a loss (backing off from drafting) is kept."""
+    from hf_dspark.decoding.config import DecodingConfig
+    from hf_dspark.decoding.loop import TreeSchedule
+    from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.scheduling.policy import SPSProfile, choose_tree_nodes
+
+    sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))  # a step of 4 rows costs ~0.058 s
+    settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
+    trees, requests = [], []
+    for r in range(4):
+        tree = TokenTree()
+        node = tree.add(-1, 10 + r, 0.6, "draft", top=True)
+        tree.add(-1, 20 + r, 0.3, "draft")
+        tree.add(node, 30 + r, 0.7, "draft", top=True)
+        trees.append(tree)
+        requests.append(TreeRequest(r, torch.tensor([5]), torch.tensor(1), 4, 8, LogitsProcessorList()))
+    drafting = 0.02  # the whole batch's round
+    schedule = TreeSchedule(settings, 4, [], None, sps=sps, drafting=drafting)
+    summed = [4 * v for v in (0.6, 0.42, 0.3)]
+    want, pays = choose_tree_nodes("scheduled", summed, sps, 0.5, drafting, 4, 4)
+    assert want == 3 and pays
+    chosen = schedule.select(trees, requests, 4)
+    assert [len(nodes) for nodes in chosen] == [3] * 4 and schedule.skip == 0
+    assert choose_tree_nodes("scheduled", summed, sps, 0.5, 4 * drafting, 4, 4)[1] is False  # R-fold: a "loss"
+
+
+def test_tree_drafting_cost_is_measured_for_the_batch(monkeypatch):
+    """``tree_draft_seconds(draft, k, rows)`` times one backbone pass over ``rows`` rows and every row's tree
+    expansion, once per (k, rows); a one-row measurement is a separate entry."""
+    from hf_dspark.decoding import proposers
+    from hf_dspark.scheduling import costs
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    backbones, expanded = [], []
+    real_backbone, real_expand = proposers.draft_backbone, proposers.DraftTreeProposer.expand
+    monkeypatch.setattr(proposers, "draft_backbone", lambda d, c, anchors, *a: backbones.append(anchors.shape[0])
+                        or real_backbone(d, c, anchors, *a))  # fmt: skip
+    monkeypatch.setattr(proposers.DraftTreeProposer, "expand", lambda self, tree, request, *a: expanded.append(
+        request.row) or real_expand(self, tree, request, *a))  # fmt: skip
+    monkeypatch.setattr(costs, "_median_seconds", lambda run, device, reps: run() or 0.25)
+    assert costs.tree_draft_seconds(draft, 2, 3) == 0.25
+    assert backbones == [3] and expanded == [0, 1, 2]
+    assert costs.tree_draft_seconds(draft, 2, 3) == 0.25 and backbones == [3]  # measured once
+    costs.tree_draft_seconds(draft, 2)
+    assert backbones == [3, 1] and expanded == [0, 1, 2, 0]

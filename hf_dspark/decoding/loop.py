@@ -497,7 +497,7 @@ class TreeSchedule:
     lookup: LookupProposer | None
     recalibration: AcceptanceRecalibration | None = None  # the draft proposer's, fed here from each walk
     sps: SPSProfile | None = None
-    drafting: float = 0.0  # seconds one row's tree drafting costs
+    drafting: float = 0.0  # seconds one round's tree drafting costs the batch (one backbone pass, every row's head)
     backoff: int = 0
     skip: int = 0
 
@@ -511,10 +511,12 @@ class TreeSchedule:
         return self.settings.priced
 
     def price(self, draft, target, rows: int) -> None:
-        """Price verifies of ``rows`` batch rows up to the node budget, and one row's tree drafting."""
+        """Price verifies of ``rows`` batch rows up to the node budget, and a round of tree drafting for them (the
+        rows share the backbone pass: pricing each row at one row's cost overprices a batch's drafting R-fold, and
+        the schedule then backs off from trees a batch would have gained from)."""
         if self.priced:
             self.sps = sps_profile(draft, target, rows, max_width=self.budget + 1)
-            self.drafting = tree_draft_seconds(draft, self.settings.tree_top_k)
+            self.drafting = tree_draft_seconds(draft, self.settings.tree_top_k, rows)
 
     def requests(self, state: DecodeState, max_length: int, processors) -> list[TreeRequest]:
         """One request per generating row."""
@@ -531,13 +533,14 @@ class TreeSchedule:
                                         processors, draft, settled))  # fmt: skip
         return requests
 
-    def count(self, values: list[float], rows: int, generating: int, drafted: int) -> tuple[int, bool]:
-        """How many of the leading ranked nodes a round verifies, ``values`` their (summed over rows) values, and
-        whether drafting paid (:func:`~hf_dspark.scheduling.policy.choose_tree_nodes`, priced when the mode is)."""
+    def count(self, values: list[float], rows: int, generating: int, drafted: bool) -> tuple[int, bool]:
+        """How many of the leading ranked nodes a round verifies, ``values`` their (summed over rows) values,
+        ``drafted`` whether the round's draft pass ran (priced once for the batch), and whether drafting paid
+        (:func:`~hf_dspark.scheduling.policy.choose_tree_nodes`, priced when the mode is)."""
         s = self.settings
         if not self.priced:
             return choose_tree_nodes(s.verify_mode, values, None, s.confidence_threshold)
-        drafting = self.drafting * drafted
+        drafting = self.drafting if drafted else 0.0
         return choose_tree_nodes(
             s.verify_mode, values, self.sps, s.confidence_threshold, drafting, rows, generating, s.greedy_lookahead
         )
@@ -550,7 +553,7 @@ class TreeSchedule:
         then, so :meth:`select` takes the same nodes as from the whole tree (the early stop reads no further)."""
         ranked = tree.ranked(max_depth)[: self.budget]
         values = [tree.values[n] for n in ranked]
-        count = self.count(values, rows, 1, 1)[0]
+        count = self.count(values, rows, 1, True)[0]
         if self.priced and self.settings.greedy_lookahead:  # the choice may still grow past a drop: bound it
             # the leading nodes that rank before any node still to come (ranked is by value, ties shallower first)
             later = (
@@ -571,14 +574,14 @@ class TreeSchedule:
         values = [[tree.values[n] for n in nodes] for tree, nodes in zip(trees, ranked, strict=True)]
         if self.priced:
             summed = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
-            drafted = sum(tree.drafted for tree in trees)
+            drafted = any(tree.drafted for tree in trees)
             count, pays = self.count(summed, rows, len(requests), drafted)
             counts = [count] * len(ranked)
             if drafted:  # back off when this drafted round is not worth a plain step in expectation
                 self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
                 self.skip = self.backoff
         else:
-            counts = [self.count(v, rows, 1, 0)[0] for v in values]
+            counts = [self.count(v, rows, 1, False)[0] for v in values]
         return [
             sorted(nodes[:count], key=lambda n, tree=tree: (tree.depths[n], n))
             for tree, nodes, count in zip(trees, ranked, counts, strict=True)

@@ -39,7 +39,8 @@ _probes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(
 
 # draft -> {(target id, dtype, device, rows): (weak reference to the target, profile)}
 _MEASURED_SPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# draft -> {(rows, do_sample, device, dtype): seconds of one draft block}
+# draft -> {(rows, do_sample, device, dtype): seconds of one draft block,
+#          ("tree", top_k, rows, device, dtype): seconds of one round of tree drafting}
 _MEASURED_DRAFT_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -112,26 +113,30 @@ def _median_seconds(run, device: torch.device, reps: int) -> float:
 
 
 @torch.no_grad()
-def tree_draft_seconds(draft: DSparkDraftModel, top_k: int, context: int = 256, reps: int = 3) -> float:
-    """Seconds one token tree's drafting costs a row at most (backbone + the head at every node expanded to the
-    block's full depth, ``top_k`` children per node), measured like :func:`draft_seconds` once per setting."""
+def tree_draft_seconds(draft: DSparkDraftModel, top_k: int, rows: int = 1, context: int = 256, reps: int = 3) -> float:
+    """Seconds one round of token-tree drafting costs a batch of ``rows`` rows, every row drafting, at most: one
+    backbone pass over the batch, then the head at every node of each row's tree expanded to the block's full
+    depth (``top_k`` children per node). Measured like :func:`draft_seconds` once per setting. A batch's rounds
+    share the backbone, so this is far less than ``rows`` times one row's cost."""
     from ..decoding.proposers import DraftTreeProposer, TreeRequest
     from ..decoding.tree import TokenTree
 
     device = draft.device
     table = measured_draft_seconds(draft)
-    key = ("tree", top_k, str(device), draft.dtype)
+    key = ("tree", top_k, rows, str(device), draft.dtype)
     if key not in table:
         c = draft.config
-        fused = torch.randn(1, context, c.hidden_size, generator=torch.Generator().manual_seed(0))
-        ctx = DraftContext.empty(draft, 1, device)
-        ctx.extend(fused.to(device, draft.dtype), torch.arange(context, device=device)[None],
-                   torch.ones(1, context, dtype=torch.bool, device=device))  # fmt: skip
+        fused = torch.randn(rows, context, c.hidden_size, generator=torch.Generator().manual_seed(0))
+        ctx = DraftContext.empty(draft, rows, device)
+        ctx.extend(fused.to(device, draft.dtype), torch.arange(context, device=device).expand(rows, -1),
+                   torch.ones(rows, context, dtype=torch.bool, device=device))  # fmt: skip
         proposer = DraftTreeProposer(draft, ctx, top_k)
-        # an unbounded budget: no early stop, the cost of the deepest tree this setting drafts
-        request = TreeRequest(0, torch.zeros(1, dtype=torch.long, device=device), torch.tensor(context, device=device),
-                              c.num_draft_tokens, 10**6, LogitsProcessorList())  # fmt: skip
-        table[key] = _median_seconds(lambda: proposer.propose([TokenTree()], [request]), device, reps)
+        # an unbounded budget: no early stop, the cost of the deepest trees this setting drafts
+        anchor, position = torch.zeros(1, dtype=torch.long, device=device), torch.tensor(context, device=device)
+        requests = [
+            TreeRequest(r, anchor, position, c.num_draft_tokens, 10**6, LogitsProcessorList()) for r in range(rows)
+        ]
+        table[key] = _median_seconds(lambda: proposer.propose([TokenTree() for _ in requests], requests), device, reps)
     return table[key]
 
 
