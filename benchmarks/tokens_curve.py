@@ -2,6 +2,7 @@
 regenerated answers, each trained for the same number of passes, then probed on the same held-out answers.
 
     python -m benchmarks.tokens_curve [--fractions 0.125 0.25 0.5 1] [--epochs 1] [--layers 2] [--rows 13773]
+                                      [--head markov|none]
 
 Every arm is ``recipes/smollm2_train.py --row-fraction F --steps <passes x its rows>`` (one sequence a step), so the
 compute grows with the data, as it would for more text seen the same number of times. Each is measured with
@@ -67,6 +68,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--rows", type=int, default=13773, help="the first N answer rows (the committed ones)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head", default="markov", choices=["markov", "none"],
+                    help="the sequential head; none is the ablation at the same budget")  # fmt: skip
     ap.add_argument("--prefix", default="tokens")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "training" / "tokens_curve")
     args = ap.parse_args()
@@ -78,11 +81,13 @@ def main() -> None:
     for fraction in sorted(args.fractions):
         rows = training_rows(answers, fraction)
         steps = math.ceil(args.epochs * len(rows))
-        name = f"{args.prefix}-f{fraction:g}-l{args.layers}-e{args.epochs:g}"
+        head = "" if args.head == "markov" else f"-{args.head}"  # the markov arms keep their first names
+        name = f"{args.prefix}{head}-f{fraction:g}-l{args.layers}-e{args.epochs:g}"
         if not (STATE / name / "final").is_dir():
             run([sys.executable, "-m", "recipes.smollm2_train", "--run", name, "--rows", str(args.rows),
                  "--row-fraction", str(fraction), "--steps", str(steps), "--layers", str(args.layers),
-                 "--anchors", str(args.anchors), "--lr", str(args.lr), "--threads", str(args.threads)])  # fmt: skip
+                 "--anchors", str(args.anchors), "--lr", str(args.lr), "--threads", str(args.threads),
+                 "--head", args.head])  # fmt: skip
         probe_path = args.out / f"slot_probe_{name}.json"
         if not probe_path.is_file():
             run([sys.executable, "-m", "benchmarks.slot_probe", "--run", name, "--rows", "40",
