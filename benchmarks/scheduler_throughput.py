@@ -273,9 +273,10 @@ def main() -> None:
         measure_sps(draft, *sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
         sps = {R: costs.sps_profile(draft, target, R).table for R in sizes}
         wanted = {name.removesuffix("-lookahead") for name in args.modes or TREE_MODES}
+        tree_draft_ms = {}
         for k, nodes in {TREE_MODES[name] for name in TREE_MODES if name in wanted}:
-            costs.tree_draft_seconds(draft, k)  # what the tree modes price with, also measured before any timing
-            for R in sizes:
+            for R in sizes:  # what the tree modes price with (a batch's round of drafting), measured before timing
+                tree_draft_ms.setdefault(k, {})[R] = 1000 * costs.tree_draft_seconds(draft, k, R)
                 costs.sps_profile(draft, target, R, max_width=nodes + 1)
         draft_ms = {R: 1000 * costs.draft_seconds(draft, R) for R in sizes}
         rows = [
@@ -285,7 +286,7 @@ def main() -> None:
         result = {"date": time.strftime("%Y-%m-%d"), "dtype": str(dtype).replace("torch.", ""),
                   "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                   "gamma": gamma,
-                  "sps": sps, "draft_ms": draft_ms, "rows": rows}  # fmt: skip
+                  "sps": sps, "draft_ms": draft_ms, "tree_draft_ms": tree_draft_ms, "rows": rows}  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
     args.out.with_suffix(".md").write_text(markdown(result))
