@@ -707,11 +707,54 @@ def test_tree_drafting_cost_is_measured_for_the_batch(monkeypatch):
     real_backbone, real_expand = proposers.draft_backbone, proposers.DraftTreeProposer.expand
     monkeypatch.setattr(proposers, "draft_backbone", lambda d, c, anchors, *a: backbones.append(anchors.shape[0])
                         or real_backbone(d, c, anchors, *a))  # fmt: skip
-    monkeypatch.setattr(proposers.DraftTreeProposer, "expand", lambda self, tree, request, *a: expanded.append(
-        request.row) or real_expand(self, tree, request, *a))  # fmt: skip
+    monkeypatch.setattr(proposers.DraftTreeProposer, "expand", lambda self, trees, requests, *a: expanded.append(
+        [r.row for r in requests]) or real_expand(self, trees, requests, *a))  # fmt: skip
     monkeypatch.setattr(costs, "_median_seconds", lambda run, device, reps: run() or 0.25)
     assert costs.tree_draft_seconds(draft, 2, 3) == 0.25
-    assert backbones == [3] and expanded == [0, 1, 2]
+    assert backbones == [3] and expanded == [[0, 1, 2]]
     assert costs.tree_draft_seconds(draft, 2, 3) == 0.25 and backbones == [3]  # measured once
     costs.tree_draft_seconds(draft, 2)
-    assert backbones == [3, 1] and expanded == [0, 1, 2, 0]
+    assert backbones == [3, 1] and expanded == [[0, 1, 2], [0]]
+
+
+@pytest.mark.parametrize("processors", [False, True])
+def test_a_batch_expands_each_row_as_if_it_were_drafted_alone(processors):
+    """The batched expansion (every row's frontier through the head together, one depth at a time) grows each
+    row's tree as drafting that row alone does: same token paths, values and confidences, with rows of
+    different depths, budgets, early stops and histories (and the call's logits processors on each node's path)."""
+    from hf_dspark.decoding.drafting import DraftContext
+    from hf_dspark.decoding.proposers import DraftTreeProposer, TreeRequest
+
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 3.0)
+    width = len(draft.config.target_layer_ids) * 32
+    feats = torch.randn(3, 6, width, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    chosen = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.8)]) if processors else LogitsProcessorList()
+    # (history, max depth, budget): a deep row, a shallow one, one whose small budget stops it early
+    rows = [([7, 8, 9], 5, 40), ([3, 4], 2, 40), ([11, 5, 6, 2], 5, 3)]
+
+    def requests(indices):
+        return [TreeRequest(r, torch.tensor(rows[r][0]), torch.tensor(6), rows[r][1], rows[r][2], chosen)
+                for r in indices]  # fmt: skip
+
+    def context(indices):
+        ctx = DraftContext.empty(draft, len(indices), torch.device("cpu"))
+        ctx.extend(draft.fuse_context(feats[indices]), torch.arange(6).expand(len(indices), -1),
+                   torch.ones(len(indices), 6, dtype=torch.bool))  # fmt: skip
+        return ctx
+
+    batch = [TokenTree() for _ in rows]
+    DraftTreeProposer(draft, context([0, 1, 2]), top_k=4).propose(batch, requests([0, 1, 2]))
+    for r in range(3):
+        alone = TokenTree()
+        request = requests([r])[0]
+        request.row = 0
+        DraftTreeProposer(draft, context([r]), top_k=4).propose([alone], [request])
+        got, want = _node_paths(batch[r], range(len(batch[r]))), _node_paths(alone, range(len(alone)))
+        # a batched matmul may round differently in the last bits (float64 here), never enough to reorder nodes
+        assert [p for p, _ in got] == [p for p, _ in want] and len(want) > 1
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-12)
+        assert batch[r].confidences == pytest.approx(alone.confidences, rel=1e-12)
+    assert max(batch[1].depths) == 2 and len(batch[2]) < len(batch[0])

@@ -101,43 +101,56 @@ class DraftTreeProposer:
         # bias cover len(draft_vocab) columns, not V (the processors need the whole vocabulary)
         subset = not requests[0].logits_processor and draft.draft_vocab is not None
         out = draft_backbone(draft, context, anchors, positions, not subset)
-        for i in drafting:
-            row = requests[i].row
-            hidden = out.hidden_states[row]
-            logits = draft.draft_vocab_logits(hidden) if subset else out.logits[row]
-            self.expand(trees[i], requests[i], hidden, logits, subset)
+        rows = torch.tensor([requests[i].row for i in drafting], device=anchors.device)
+        hidden = out.hidden_states[rows]
+        logits = draft.draft_vocab_logits(hidden) if subset else out.logits[rows]
+        self.expand([trees[i] for i in drafting], [requests[i] for i in drafting], hidden, logits, subset)
 
     def expand(
-        self, tree: TokenTree, request: TreeRequest, hidden: torch.Tensor, logits: torch.Tensor, subset: bool
+        self,
+        trees: list[TokenTree],
+        requests: list[TreeRequest],
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        subset: bool,
     ) -> None:
-        """Grow one row's tree from its backbone block: ``hidden`` [block, d], base ``logits`` [block, V] (or
-        [block, len(draft_vocab)] when ``subset``), level by level through the sequential head."""
-        draft, device = self.draft, request.history.device
-        anchor = request.history[-1:]
+        """Grow each request's tree from its row's backbone block: ``hidden`` [n, block, d], base ``logits``
+        [n, block, V] (or [n, block, len(draft_vocab)] when ``subset``), one row per request, level by level
+        through the sequential head. Every row's frontier goes through the head together, one depth at a time (a
+        batch pays the head's small operations once a depth, not once a row a depth); each row's choice of
+        children and its stops are its own."""
+        draft = self.draft
         head, conf_head = draft.sequential_head, draft.confidence
-        rows = draft.head_vocab_rows() if subset else draft.head_full_rows()
+        w2_rows = draft.head_vocab_rows() if subset else draft.head_full_rows()
         temps, offset = draft.config.sts_temperatures, draft.config.draft_offset
-        depth = min(request.max_depth, draft.config.num_draft_tokens)
         beam = self.beam or min(self.top_k, TREE_BEAM)
-        frontier, paths, state = [-1], [anchor], None  # nodes to expand, their paths' tokens, their head states
-        for k in range(depth):
+        depths = [min(request.max_depth, draft.config.num_draft_tokens) for request in requests]
+        # each growing row's frontier (nodes to expand, -1 the root) and those nodes' paths' tokens; the head's
+        # state has one row per frontier node, the growing rows' nodes in order
+        growing = {i: ([-1], [request.history[-1:]]) for i, request in enumerate(requests) if depths[i] > 0}
+        state = None
+        for k in range(max(depths, default=0)):
+            if not growing:
+                break
+            owners = [i for i, (frontier, _) in growing.items() for _ in frontier]
+            paths = [path for _, row_paths in growing.values() for path in row_paths]
+            owner = torch.tensor(owners, device=hidden.device)
             slot = k + offset
             prev = torch.stack([p[-1] for p in paths])
-            h_k = hidden[slot].expand(len(frontier), -1)
-            step = logits[slot].expand(len(frontier), -1)
+            h_k = hidden[owner, slot]
+            step = logits[owner, slot]
             feature = None
             if head is not None:
-                bias, feature, state = head.step(prev, h_k, state, rows=rows)
+                bias, feature, state = head.step(prev, h_k, state, rows=w2_rows)
                 if draft.head_enabled:
                     step = step + bias
             step = step.to(torch.float32 if step.dtype != torch.float64 else step.dtype)
-            if request.logits_processor:
-                step = torch.cat(
-                    [
-                        process(request.logits_processor, torch.cat([request.history, p[1:]])[None], step[i : i + 1])
-                        for i, p in enumerate(paths)
-                    ]
-                )
+            if requests[0].logits_processor:  # the call's processors, on each node's own path
+                histories = [torch.cat([requests[i].history, p[1:]])[None] for i, p in zip(owners, paths, strict=True)]
+                step = torch.cat([
+                    process(requests[i].logits_processor, history, step[j : j + 1])
+                    for j, (i, history) in enumerate(zip(owners, histories, strict=True))
+                ])  # fmt: skip
             q = torch.softmax(step, dim=-1)
             q_top, x_top = q.topk(min(self.top_k, q.shape[-1]), dim=-1)
             if subset:
@@ -148,36 +161,62 @@ class DraftTreeProposer:
                 c = raw if self.recalibration is None else self.recalibration.apply(raw, start=k)
                 rest = (1 - edges[:, :1]).clamp_min(1e-12)
                 edges = torch.cat([c[:, None], (1 - c[:, None]) * (edges[:, 1:] / rest).clamp(max=1)], dim=1)
-            # only this depth's `budget` most valuable children can enter the round's best `budget` nodes (each
-            # child below them has `budget` better nodes of its own depth, and their ancestors, ahead of it)
-            # one transfer (one sync on a GPU) a depth: the tree is host-side bookkeeping; token ids are exact in
-            # float64
+            # one transfer (one sync on a GPU) a depth for the whole batch: the trees are host-side bookkeeping;
+            # token ids are exact in float64
             width = x_top.shape[1]
             parts = [edges, x_top.double()] + ([] if conf_head is None else [raw[:, None]])
             host = torch.cat(parts, dim=1).cpu()
-            edges = host[:, :width]
-            bases = torch.tensor([1.0 if p < 0 else tree.values[p] for p in frontier], dtype=torch.float64)
-            values = (bases[:, None] * edges).flatten()
-            best = values.topk(min(values.numel(), request.budget)).indices.tolist()
-            tokens, edge_list = host[:, width : 2 * width].long().tolist(), edges.tolist()
+            tokens, edge_rows = host[:, width : 2 * width].long().tolist(), host[:, :width]
             raws = host[:, -1].tolist() if conf_head is not None else None
-            children = []
-            for flat in best:
-                i, j = divmod(flat, width)
-                node = tree.add(frontier[i], tokens[i][j], edge_list[i][j], "draft", top=j == 0)
-                if j == 0 and raws is not None:
-                    tree.confidences[node] = raws[i]
-                children.append((tree.values[node], node, i, j))
-            kept = [c for c in children[:beam] if c[0] > 0]
-            ranked = sorted(tree.values, reverse=True)
-            if not kept or (len(ranked) >= request.budget and ranked[request.budget - 1] >= kept[0][0]):
-                break  # no deeper node could enter the round's best `budget`
-            if request.settled is not None and request.settled(tree, kept[0][0], k + 1):
-                break  # the schedule stops inside what is here: a deeper node cannot change its choice
-            frontier = [node for _, node, _, _ in kept]
-            paths = [torch.cat([paths[i], x_top[i, j : j + 1]]) for _, _, i, j in kept]
-            if state is not None:
-                state = state[torch.tensor([i for _, _, i, _ in kept], device=device)]
+            following, keep, start = {}, [], 0
+            for i, (frontier, row_paths) in growing.items():
+                tree, request, stop = trees[i], requests[i], start + len(frontier)
+                kept = self.grow(tree, request, frontier, edge_rows[start:stop], tokens[start:stop],
+                                 raws[start:stop] if raws is not None else None, beam, k)  # fmt: skip
+                if kept and depths[i] > k + 1:
+                    nodes = [node for node, _, _ in kept]
+                    following[i] = (nodes, [torch.cat([row_paths[a], x_top[start + a, b : b + 1]]) for _, a, b in kept])
+                    keep += [start + a for _, a, _ in kept]
+                start = stop
+            growing = following
+            if state is not None and growing:
+                state = state[torch.tensor(keep, device=hidden.device)]
+
+    def grow(
+        self,
+        tree: TokenTree,
+        request: TreeRequest,
+        frontier: list[int],
+        edges: torch.Tensor,
+        tokens: list[list[int]],
+        raws: list[float] | None,
+        beam: int,
+        k: int,
+    ) -> list[tuple[int, int, int]]:
+        """One row's depth k + 1: of its ``frontier`` nodes' children (``edges`` [F, K] float64 edge values,
+        ``tokens`` their ids, ``raws`` the confidence of each parent's top child), the ``budget`` most valuable enter
+        ``tree``. -> the children to expand next, best first: (node, parent's index in ``frontier``, child's
+        index), none when the row stops here."""
+        width = edges.shape[1]
+        bases = torch.tensor([1.0 if p < 0 else tree.values[p] for p in frontier], dtype=torch.float64)
+        values = (bases[:, None] * edges).flatten()
+        # only this depth's `budget` most valuable children can enter the round's best `budget` nodes (each child
+        # below them has `budget` better nodes of its own depth, and their ancestors, ahead of it)
+        best = values.topk(min(values.numel(), request.budget)).indices.tolist()
+        edge_list, children = edges.tolist(), []
+        for flat in best:
+            i, j = divmod(flat, width)
+            node = tree.add(frontier[i], tokens[i][j], edge_list[i][j], "draft", top=j == 0)
+            if j == 0 and raws is not None:
+                tree.confidences[node] = raws[i]
+            children.append((tree.values[node], node, i, j))
+        kept = [c for c in children[:beam] if c[0] > 0]
+        ranked = sorted(tree.values, reverse=True)
+        if not kept or (len(ranked) >= request.budget and ranked[request.budget - 1] >= kept[0][0]):
+            return []  # no deeper node could enter the round's best `budget`
+        if request.settled is not None and request.settled(tree, kept[0][0], k + 1):
+            return []  # the schedule stops inside what is here: a deeper node cannot change its choice
+        return [(node, i, j) for _, node, i, j in kept]
 
 
 @dataclass
