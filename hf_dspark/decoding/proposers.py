@@ -125,18 +125,19 @@ class DraftTreeProposer:
         temps, offset = draft.config.sts_temperatures, draft.config.draft_offset
         beam = self.beam or min(self.top_k, TREE_BEAM)
         depths = [min(request.max_depth, draft.config.num_draft_tokens) for request in requests]
-        # each growing row's frontier (nodes to expand, -1 the root) and those nodes' paths' tokens; the head's
-        # state has one row per frontier node, the growing rows' nodes in order
-        growing = {i: ([-1], [request.history[-1:]]) for i, request in enumerate(requests) if depths[i] > 0}
+        # each growing row's frontier (nodes to expand, -1 the root) and those nodes' paths' token ids from the
+        # anchor on (host-side lists); the head's state has one row per frontier node, the growing rows' in order
+        growing = {i: ([-1], [[int(request.history[-1])]]) for i, request in enumerate(requests) if depths[i] > 0}
+        device = hidden.device
         state = None
         for k in range(max(depths, default=0)):
             if not growing:
                 break
             owners = [i for i, (frontier, _) in growing.items() for _ in frontier]
             paths = [path for _, row_paths in growing.values() for path in row_paths]
-            owner = torch.tensor(owners, device=hidden.device)
+            owner = torch.tensor(owners, device=device)
             slot = k + offset
-            prev = torch.stack([p[-1] for p in paths])
+            prev = torch.tensor([p[-1] for p in paths], device=device)
             h_k = hidden[owner, slot]
             step = logits[owner, slot]
             feature = None
@@ -146,7 +147,10 @@ class DraftTreeProposer:
                     step = step + bias
             step = step.to(torch.float32 if step.dtype != torch.float64 else step.dtype)
             if requests[0].logits_processor:  # the call's processors, on each node's own path
-                histories = [torch.cat([requests[i].history, p[1:]])[None] for i, p in zip(owners, paths, strict=True)]
+                histories = [
+                    torch.cat([requests[i].history, torch.tensor(p[1:], dtype=torch.long, device=device)])[None]
+                    for i, p in zip(owners, paths, strict=True)
+                ]
                 step = torch.cat([
                     process(requests[i].logits_processor, history, step[j : j + 1])
                     for j, (i, history) in enumerate(zip(owners, histories, strict=True))
@@ -175,12 +179,12 @@ class DraftTreeProposer:
                                  raws[start:stop] if raws is not None else None, beam, k)  # fmt: skip
                 if kept and depths[i] > k + 1:
                     nodes = [node for node, _, _ in kept]
-                    following[i] = (nodes, [torch.cat([row_paths[a], x_top[start + a, b : b + 1]]) for _, a, b in kept])
+                    following[i] = (nodes, [[*row_paths[a], tokens[start + a][b]] for _, a, b in kept])
                     keep += [start + a for _, a, _ in kept]
                 start = stop
             growing = following
             if state is not None and growing:
-                state = state[torch.tensor(keep, device=hidden.device)]
+                state = state[torch.tensor(keep, device=device)]
 
     def grow(
         self,
