@@ -105,6 +105,12 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
 TREE_MODES = {"scheduled-tree-2": (2, 16), "scheduled-tree-4": (4, 32), "scheduled-tree-16": (16, 32)}
 
 
+def without_lookahead(mode: str) -> str:
+    """The mode a ``-lookahead`` mode runs with ``greedy_lookahead=True`` (``scheduled-tree-16-lookahead`` ->
+    ``scheduled-tree-16``); any other mode is itself."""
+    return mode.removesuffix("-lookahead")
+
+
 def run_modes(
     target, draft, tokenizer, R: int, max_new_tokens: int, repeats: int = 1, prompts: int = 8, only=None
 ) -> dict:
@@ -139,7 +145,7 @@ def run_modes(
                     references[b] = out.tolist()
                 else:
                     mode, limit = setting
-                    tree_top_k, nodes = TREE_MODES.get(name.removesuffix("-lookahead"), (1, gamma))
+                    tree_top_k, nodes = TREE_MODES.get(without_lookahead(name), (1, gamma))
                     settings = {
                         "verify_mode": mode, "verify_limit": limit or nodes, "tree_top_k": tree_top_k,
                         "verify_layout": "packed" if name.endswith("-packed") else "padded",
@@ -181,7 +187,7 @@ def markdown(result: dict) -> str:
     whose modes ran: best fixed, the oracle, and the best token-tree mode against the chain)."""
     rows = result["rows"]
     names = [k for k in rows[0] if k not in ("R", "prompts")]
-    trees = [k for k in names if k.removesuffix("-lookahead") in TREE_MODES]
+    trees = [k for k in names if without_lookahead(k) in TREE_MODES]
     fixed = [k for k in names if k.startswith("fixed")]
     ratios = {
         "scheduled / best fixed": (fixed, lambda row: _ratio(row["scheduled"], _fastest(row, fixed))),
@@ -272,7 +278,7 @@ def main() -> None:
         sizes = sorted({loop.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
         measure_sps(draft, *sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
         sps = {R: costs.sps_profile(draft, target, R).table for R in sizes}
-        wanted = {name.removesuffix("-lookahead") for name in args.modes or TREE_MODES}
+        wanted = {without_lookahead(name) for name in args.modes or TREE_MODES}
         tree_draft_ms = {}
         for k, nodes in {TREE_MODES[name] for name in TREE_MODES if name in wanted}:
             for R in sizes:  # what the tree modes price with (a batch's round of drafting), measured before timing

@@ -78,10 +78,10 @@ def main() -> None:
     if len(answers) < args.rows:
         raise SystemExit(f"only {len(answers)} answer rows here, {args.rows} asked for")
     points = []
+    head = "" if args.head == "markov" else f"-{args.head}"  # the markov arms keep their first names
     for fraction in sorted(args.fractions):
         rows = training_rows(answers, fraction)
         steps = math.ceil(args.epochs * len(rows))
-        head = "" if args.head == "markov" else f"-{args.head}"  # the markov arms keep their first names
         name = f"{args.prefix}{head}-f{fraction:g}-l{args.layers}-e{args.epochs:g}"
         if not (STATE / name / "final").is_dir():
             run([sys.executable, "-m", "recipes.smollm2_train", "--run", name, "--rows", str(args.rows),

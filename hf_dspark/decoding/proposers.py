@@ -178,8 +178,10 @@ class DraftTreeProposer:
                 kept = self.grow(tree, request, frontier, edge_rows[start:stop], tokens[start:stop],
                                  raws[start:stop] if raws is not None else None, beam, k)  # fmt: skip
                 if kept and depths[i] > k + 1:
-                    nodes = [node for node, _, _ in kept]
-                    following[i] = (nodes, [[*row_paths[a], tokens[start + a][b]] for _, a, b in kept])
+                    following[i] = (
+                        [node for node, _, _ in kept],
+                        [[*row_paths[a], tokens[start + a][b]] for _, a, b in kept],
+                    )
                     keep += [start + a for _, a, _ in kept]
                 start = stop
             growing = following
