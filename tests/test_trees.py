@@ -1,6 +1,8 @@
 """Token trees: the tree's bookkeeping, its verify mask, exact acceptance (greedy = plain token for token, sampling
 checked by chi-square), branches that the chain cannot accept, and the fallbacks to chains, named."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
@@ -503,9 +505,9 @@ def test_a_draft_vocabulary_gives_the_same_tree_without_the_full_vocabulary(head
     assert _tree_generate(target, draft, ids, max_new_tokens=16, tree_top_k=3).tolist() == ref.tolist()
 
 
-def _drafted_tree(draft, seed: int, top_k: int, budget: int, settled=None) -> TokenTree:
+def _drafted_tree(draft, seed: int, top_k: int, budget: int, settled=None, request_top_k=None) -> TokenTree:
     """One row's tree from ``draft`` (block 6, float64) over a random 6-slot context drawn with ``seed``: anchor 9,
-    at most 5 deep, ``budget`` nodes, the schedule's ``settled`` if given."""
+    at most 5 deep, ``budget`` nodes, the schedule's ``settled`` and the request's ``top_k`` if given."""
     from hf_dspark.decoding.drafting import DraftContext
     from hf_dspark.decoding.proposers import DraftTreeProposer, TreeRequest
 
@@ -515,7 +517,14 @@ def _drafted_tree(draft, seed: int, top_k: int, budget: int, settled=None) -> To
     ctx.extend(feats, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
     tree = TokenTree()
     request = TreeRequest(
-        0, torch.tensor([7, 8, 9]), torch.tensor(6), 5, budget, LogitsProcessorList(), settled=settled
+        0,
+        torch.tensor([7, 8, 9]),
+        torch.tensor(6),
+        5,
+        budget,
+        LogitsProcessorList(),
+        top_k=request_top_k,
+        settled=settled,
     )
     DraftTreeProposer(draft, ctx, top_k=top_k).propose([tree], [request])
     return tree
@@ -758,3 +767,91 @@ def test_a_batch_expands_each_row_as_if_it_were_drafted_alone(processors):
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-12)
         assert batch[r].confidences == pytest.approx(alone.confidences, rel=1e-12)
     assert max(batch[1].depths) == 2 and len(batch[2]) < len(batch[0])
+
+
+def test_a_narrowed_request_drafts_the_drafts_chain():
+    """A request with ``top_k=1`` gets the draft's chain from a wider proposer: the same nodes, tokens and values as a
+    proposer of one child per node, every node the draft's top child, one a depth."""
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 3.0)
+        draft.confidence.confidence_head.bias.fill_(4.0)  # sure drafts: the chain runs the block's depth
+    for seed in range(3):
+        narrowed = _drafted_tree(draft, seed, 4, 24, request_top_k=1)
+        chain = _drafted_tree(draft, seed, 1, 24)
+        wide = _drafted_tree(draft, seed, 4, 24)
+        assert _node_paths(narrowed, range(len(narrowed))) == _node_paths(chain, range(len(chain)))
+        assert narrowed.depths == list(range(1, 6)) and all(narrowed.top) and len(wide) > len(narrowed)
+
+
+def _two_branch_trees(rows: int, branch: float) -> tuple[list[TokenTree], list]:
+    """``rows`` trees with a sure chain (0.9, then 0.9 of that) and a second child at depth 1 worth ``branch``."""
+    from hf_dspark.decoding.proposers import TreeRequest
+
+    trees, requests = [], []
+    for r in range(rows):
+        tree = TokenTree()
+        node = tree.add(-1, 10 + r, 0.9, "draft", top=True)
+        tree.add(node, 30 + r, 0.9, "draft", top=True)
+        tree.add(-1, 20 + r, branch, "draft")
+        trees.append(tree)
+        requests.append(TreeRequest(r, torch.tensor([5]), torch.tensor(1), 4, 8, LogitsProcessorList()))
+    return trees, requests
+
+
+def test_a_round_whose_chain_beats_its_tree_narrows_the_next_rounds():
+    """Under load a tree's drafting can cost more than its extra nodes return: after a drafted round whose chain
+    (at the chain's drafting cost) has the better Θ, the next drafted rounds ask for one child per node and are
+    priced at the chain's cost; the narrowing doubles while chains keep winning, skips no plain step, and is reset
+    by a round where the tree is worth its cost."""
+    from hf_dspark.decoding.config import DecodingConfig
+    from hf_dspark.decoding.loop import TreeSchedule
+    from hf_dspark.scheduling.policy import SPSProfile, choose_tree_nodes, tree_rate
+
+    sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))
+    settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
+    schedule = TreeSchedule(settings, 4, [], None, sps=sps, drafting=0.03, chain_drafting=0.01)
+    trees, requests = _two_branch_trees(4, 0.05)
+    ranked = [4 * v for v in (0.9, 0.81, 0.05)]
+    tree_count = choose_tree_nodes("scheduled", ranked, sps, 0.5, 0.03, 4, 4)[0]
+    chain_count = choose_tree_nodes("scheduled", ranked[:2], sps, 0.5, 0.01, 4, 4)[0]
+    assert tree_rate(ranked[:2], chain_count, sps, 0.01, 4, 4) > tree_rate(ranked, tree_count, sps, 0.03, 4, 4)
+
+    state = SimpleNamespace(  # what requests() reads of a batch
+        size=4, active=[0, 1, 2, 3], history=lambda r: torch.tensor([5]), anchor_positions=torch.ones(4, dtype=int),
+        room=lambda limit, max_length: [4] * 4,
+    )  # fmt: skip
+
+    schedule.select(trees, requests, 4)
+    assert (schedule.narrow, schedule.narrow_backoff, schedule.skip) == (1, 1, 0)
+    narrowed = schedule.requests(state, 100, LogitsProcessorList())
+    assert [r.top_k for r in narrowed] == [1] * 4 and all(r.draft for r in narrowed)
+    assert schedule.round_drafting == 0.01
+    schedule.select(*_two_branch_trees(4, 0.05), 4)  # the narrowed round (its tree as drafted is not weighed)
+    assert (schedule.narrow, schedule.narrow_backoff) == (0, 1) and schedule.round_drafting == 0.03
+    assert [r.top_k for r in schedule.requests(state, 100, LogitsProcessorList())] == [None] * 4
+    schedule.select(*_two_branch_trees(4, 0.05), 4)  # the chain wins again: twice as long
+    assert (schedule.narrow, schedule.narrow_backoff) == (2, 2)
+    schedule.narrow, schedule.chain_drafting = 0, 0.03  # a tree round where the chain saves nothing
+    schedule.select(*_two_branch_trees(4, 0.6), 4)
+    assert (schedule.narrow, schedule.narrow_backoff) == (0, 0)
+
+
+def test_narrowed_tree_rounds_decode_exactly_plain_greedy(monkeypatch):
+    """With tree drafting priced far above a chain's, the schedule narrows its rounds to chains: the output is still
+    plain greedy, one row and a batch, and the stats count the narrowed rounds."""
+    from hf_dspark.decoding import loop
+    from hf_dspark.scheduling.policy import SPSProfile
+
+    monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k, rows: 0.0 if top_k == 1 else 0.5)
+    target = tiny_target("llama", dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1 / (0.01 + 0.001 * B))
+    for ids in (_prompt(4), torch.cat([_prompt(4), _prompt(5)])):  # one row; a batch of two (same length)
+        ref = torch.cat([target.generate(row[None], max_new_tokens=24, do_sample=False) for row in ids])
+        out = _tree_generate(target, draft, ids, max_new_tokens=24, tree_top_k=3, verify_mode="scheduled",
+                             confidence_recalibration=False)  # fmt: skip
+        assert out.tolist() == ref.tolist()
+        rounds = len(draft.stats.verify_rounds)
+        assert rounds >= 5 and draft.stats.narrowed_rounds >= rounds // 2, (rounds, draft.stats.narrowed_rounds)

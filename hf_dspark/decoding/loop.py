@@ -38,6 +38,7 @@ from ..scheduling.policy import (
     column_plan,
     drafting_pays,
     lookahead_tree_settled,
+    tree_rate,
 )
 from ..scheduling.recalibration import AcceptanceRecalibration
 from .checks import check_cache, check_finite, check_supported, keep_cache_slots, sliding_window, tree_refusal
@@ -489,7 +490,10 @@ class TreeSchedule:
     padded to the widest row, so the B-th best node of every row is admitted together (summed values), as chains
     admit columns. A drafted round that was not worth a plain step in expectation turns drafting off for
     ``backoff`` rounds (doubling, as for chains); lookup branches, which cost nothing to draft, are still verified
-    then."""
+    then. A drafted round whose chain alone (the draft's top children, and the lookup branches) at a chain's
+    drafting cost would have been worth more than the tree at a tree's (Θ each, :func:`tree_rate`) narrows the
+    next ``narrow_backoff`` drafted rounds to the chain (doubling up to ``MAX_BACKOFF``, reset by a tree round
+    worth more than its chain): under load a batch's trees shrink to chains, and so does their drafting cost."""
 
     settings: DecodingConfig
     draft_tokens: int
@@ -498,8 +502,11 @@ class TreeSchedule:
     recalibration: AcceptanceRecalibration | None = None  # the draft proposer's, fed here from each walk
     sps: SPSProfile | None = None
     drafting: float = 0.0  # seconds one round's tree drafting costs the batch (one backbone pass, every row's head)
+    chain_drafting: float | None = None  # seconds of a round that drafts only the chain (None: never narrow)
     backoff: int = 0
     skip: int = 0
+    narrow_backoff: int = 0
+    narrow: int = 0  # drafted rounds left that draft the chain instead of the tree
 
     @property
     def budget(self) -> int:
@@ -517,12 +524,19 @@ class TreeSchedule:
         if self.priced:
             self.sps = sps_profile(draft, target, rows, max_width=self.budget + 1)
             self.drafting = tree_draft_seconds(draft, self.settings.tree_top_k, rows)
+            self.chain_drafting = tree_draft_seconds(draft, 1, rows)
+
+    @property
+    def round_drafting(self) -> float:
+        """Seconds this round's drafting costs the batch: the chain's while narrowed, else the tree's."""
+        return self.chain_drafting if self.narrow and self.chain_drafting is not None else self.drafting
 
     def requests(self, state: DecodeState, max_length: int, processors) -> list[TreeRequest]:
         """One request per generating row."""
         room = state.room(max(self.draft_tokens, self.lookup.max_tokens if self.lookup else 0), max_length)
         draft = not self.skip
         self.skip = max(self.skip - 1, 0)
+        top_k = 1 if draft and self.narrow else None
         # one generating row's choice is its own tree's (a batch's sums every row's, known only once all are drafted);
         # merged lookup nodes join after the draft's, so its expansion cannot know the choice before they do
         early = len(state.active) == 1 and not (self.settings.tree_lookup_merge and self.lookup is not None)
@@ -530,20 +544,16 @@ class TreeSchedule:
         for r in state.active:
             settled = partial(self.settled, state.size, room[r]) if early else None
             requests.append(TreeRequest(r, state.history(r), state.anchor_positions[r], room[r], self.budget,
-                                        processors, draft, settled))  # fmt: skip
+                                        processors, draft, top_k, settled))  # fmt: skip
         return requests
 
     def count(self, values: list[float], rows: int, generating: int, drafted: bool) -> tuple[int, bool]:
         """How many of the leading ranked nodes a round verifies, ``values`` their (summed over rows) values,
         ``drafted`` whether the round's draft pass ran (priced once for the batch), and whether drafting paid
         (:func:`~hf_dspark.scheduling.policy.choose_tree_nodes`, priced when the mode is)."""
-        s = self.settings
         if not self.priced:
-            return choose_tree_nodes(s.verify_mode, values, None, s.confidence_threshold)
-        drafting = self.drafting if drafted else 0.0
-        return choose_tree_nodes(
-            s.verify_mode, values, self.sps, s.confidence_threshold, drafting, rows, generating, s.greedy_lookahead
-        )
+            return choose_tree_nodes(self.settings.verify_mode, values, None, self.settings.confidence_threshold)
+        return self.count_at(values, rows, generating, self.round_drafting if drafted else 0.0)
 
     def settled(self, rows: int, max_depth: int, tree: TokenTree, bound: float, depth: int) -> bool:
         """Whether one generating row's choice from the drafted ``tree`` is final while nodes are still to come,
@@ -562,7 +572,7 @@ class TreeSchedule:
                 if values[i] < bound or (values[i] == bound and tree.depths[n] > depth + 1)
             )
             head = next(later, len(ranked))
-            return lookahead_tree_settled(values, count, head, bound, self.budget, self.sps, self.drafting, rows)
+            return lookahead_tree_settled(values, count, head, bound, self.budget, self.sps, self.round_drafting, rows)
         if count >= len(values):
             return False
         stop = values[count]
@@ -578,6 +588,10 @@ class TreeSchedule:
             count, pays = self.count(summed, rows, len(requests), drafted)
             counts = [count] * len(ranked)
             if drafted:  # back off when this drafted round is not worth a plain step in expectation
+                if self.narrow:
+                    self.narrow -= 1
+                elif self.chain_drafting is not None:
+                    pays = self.weigh_chain(trees, ranked, summed, count, rows, len(requests)) or pays
                 self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
                 self.skip = self.backoff
         else:
@@ -586,6 +600,35 @@ class TreeSchedule:
             sorted(nodes[:count], key=lambda n, tree=tree: (tree.depths[n], n))
             for tree, nodes, count in zip(trees, ranked, counts, strict=True)
         ]
+
+    def weigh_chain(
+        self, trees: list[TokenTree], ranked: list[list[int]], summed: list[float], count: int, rows: int,
+        generating: int,
+    ) -> bool:  # fmt: skip
+        """After a drafted tree round verifying ``count`` of the ranked nodes (``summed``: their values summed over
+        rows): narrow the next rounds to the chain when the chain's own best Θ at the chain's drafting cost beats
+        the tree's at the tree's (see the class). -> whether the chain would have been worth a plain step."""
+        values = []
+        for tree, nodes in zip(trees, ranked, strict=True):
+            chain = _chain_nodes(tree)
+            values.append([tree.values[n] for n in nodes if n in chain])
+        chain_summed = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values), default=0))]
+        chain_count, chain_pays = self.count_at(chain_summed, rows, generating, self.chain_drafting)
+        tree_theta = tree_rate(summed, count, self.sps, self.drafting, rows, generating)
+        chain_theta = tree_rate(chain_summed, chain_count, self.sps, self.chain_drafting, rows, generating)
+        if chain_theta > tree_theta:
+            self.narrow_backoff = min(2 * self.narrow_backoff or 1, MAX_BACKOFF)
+            self.narrow = self.narrow_backoff
+        else:
+            self.narrow_backoff = 0
+        return chain_pays
+
+    def count_at(self, values: list[float], rows: int, generating: int, drafting: float) -> tuple[int, bool]:
+        """:meth:`count` for a priced round drafted at ``drafting`` seconds."""
+        s = self.settings
+        return choose_tree_nodes(
+            s.verify_mode, values, self.sps, s.confidence_threshold, drafting, rows, generating, s.greedy_lookahead
+        )
 
     def observe(self, verified: VerifiedTree, path: list[int]) -> list[tuple[float, bool, bool]]:
         """After the walk: the lookup rate learns from the looked-up nodes the walk could have taken. -> the verified
@@ -617,6 +660,16 @@ class TreeSchedule:
         return edges
 
 
+def _chain_nodes(tree: TokenTree) -> set[int]:
+    """The nodes a narrowed round would have drafted: those whose every node from the anchor is the draft's top
+    child or a lookup branch's (parents come before their children in a tree)."""
+    chain: set[int] = set()
+    for node, parent in enumerate(tree.parents):
+        if (tree.top[node] or "lookup" in tree.sources[node]) and (parent < 0 or parent in chain):
+            chain.add(node)
+    return chain
+
+
 def tree_verify_mask(state: DecodeState, verified: list[VerifiedTree | None], dtype: torch.dtype):
     """The target's mask for a tree verify: ``None`` (plain causal attention, the cheaper path; on a CPU a 4D mask
     costs about 2 ms a step) when the batch is one row whose tree is a chain (each slot's parent the slot before:
@@ -633,6 +686,7 @@ def tree_round(state: DecodeState, schedule: TreeSchedule, target, cache, tap, r
     forward ([R, W] slots, each row's ancestor mask, depth positions), each row walks its accepted path exactly, and
     both caches keep exactly those paths."""
     requests = schedule.requests(state, max_length, rules.processors)
+    outputs.stats.narrowed_rounds += any(request.draft and request.top_k == 1 for request in requests)
     trees = propose_trees(schedule.proposers, requests)
     chosen = schedule.select(trees, requests, state.size)
     verified: list[VerifiedTree | None] = [None] * state.size

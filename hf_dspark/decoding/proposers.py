@@ -43,6 +43,7 @@ class TreeRequest:
     budget: int
     logits_processor: LogitsProcessorList
     draft: bool = True  # False in rounds the schedule backs off from drafting
+    top_k: int | None = None  # children per node this round (None: the proposer's own; 1: the schedule narrowed)
     settled: Callable[[TokenTree, float, int], bool] | None = None
 
 
@@ -69,7 +70,8 @@ class DraftTreeProposer:
     of the draft's top choices observed in the call so far, as chains shift theirs. Expansion stops early once
     ``budget`` nodes are already worth more than any node still to come (values only fall along paths), or once
     the request's ``settled`` says the schedule's choice can no longer change (the scheduler's early stop fell on a
-    node worth more than any deeper one could be).
+    node worth more than any deeper one could be). A request's ``top_k`` narrows its row's children per node
+    (1: the draft's chain, at a chain's cost).
     ``only_empty``: draft only the rows whose tree an earlier proposer left empty."""
 
     draft: DSparkDraftModel
@@ -156,7 +158,8 @@ class DraftTreeProposer:
                     for j, (i, history) in enumerate(zip(owners, histories, strict=True))
                 ])  # fmt: skip
             q = torch.softmax(step, dim=-1)
-            q_top, x_top = q.topk(min(self.top_k, q.shape[-1]), dim=-1)
+            widest = max(min(self.top_k, requests[i].top_k or self.top_k) for i in growing)
+            q_top, x_top = q.topk(min(widest, q.shape[-1]), dim=-1)
             if subset:
                 x_top = draft.draft_vocab[x_top]
             edges = q_top.double()
@@ -203,7 +206,8 @@ class DraftTreeProposer:
         ``tokens`` their ids, ``raws`` the confidence of each parent's top child), the ``budget`` most valuable enter
         ``tree``. -> the children to expand next, best first: (node, parent's index in ``frontier``, child's
         index), none when the row stops here."""
-        width = edges.shape[1]
+        width = min(edges.shape[1], request.top_k or edges.shape[1])
+        edges, tokens = edges[:, :width], [row[:width] for row in tokens]
         bases = torch.tensor([1.0 if p < 0 else tree.values[p] for p in frontier], dtype=torch.float64)
         values = (bases[:, None] * edges).flatten()
         # only this depth's `budget` most valuable children can enter the round's best `budget` nodes (each child

@@ -22,7 +22,8 @@ class DSparkStats:
     Token trees (``tree_top_k`` > 1): ``proposed[i]`` counts the tree's nodes verified, ``depths[i]`` its deepest
     node's depth (a chain's depth is its length), and ``tree_edges[i]`` lists, for each verified node whose parent
     was on the accepted path, (its edge value, whether it was the draft's top child, whether the target took it):
-    the data of the values' calibration. ``tree_fallback`` says why a call that asked for trees verified chains.
+    the data of the values' calibration. ``tree_fallback`` says why a call that asked for trees verified chains;
+    ``narrowed_rounds`` counts the tree rounds the scheduler drafted as chains (a tree did not pay its drafting).
     """
 
     num_draft_tokens: int  # the most draft tokens a drafted entry verifies (a lookup continuation may verify more)
@@ -36,6 +37,7 @@ class DSparkStats:
     depths: list[int] = field(default_factory=list)  # per entry: the deepest verified slot (a chain: ℓ)
     tree_edges: list[list[tuple[float, bool, bool]] | None] = field(default_factory=list)
     tree_fallback: str | None = None
+    narrowed_rounds: int = 0
 
     def record(self, proposed: int, accepted: int, committed: int, confidences: list[float] | None = None,
                looked_up: bool = False, depth: int | None = None,

@@ -396,6 +396,21 @@ def choose_tree_nodes(
     return chosen, chosen > 0 and theta > generating * sps(rows)
 
 
+def tree_rate(
+    values: list[float],
+    count: int,
+    sps: SPSProfile,
+    draft_seconds: float,
+    rows: int = 1,
+    generating: int = 1,
+) -> float:
+    """Θ of a drafted round that verifies the ``count`` leading nodes of ``values`` (ranked, summed over the
+    ``generating`` rows as in :func:`choose_tree_nodes`): expected tokens committed per second of drafting and
+    verifying, (generating + Σ values[:count]) · SPS'(rows · (1 + count)), SPS' being ``sps`` with ``draft_seconds``
+    added to a step. What two ways of drafting the same round (a tree, its chain) are compared by."""
+    return (generating + sum(values[:count])) * sps.plus_seconds(draft_seconds)(rows * (1 + count))
+
+
 def lookahead_tree_settled(
     values: list[float],
     count: int,
