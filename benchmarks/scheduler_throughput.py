@@ -117,7 +117,8 @@ def run_modes(
     """Every mode on the same prompts in batches of R (at least ``prompts`` prompts, so a small R is not one
     prompt's luck), ``repeats`` passes; within a pass each batch runs every mode back to back (A B C … on batch 1,
     then on batch 2, …), so drift between batches hits all modes alike.
-    -> {mode: {tokens, seconds, tok_per_s, pass_tok_per_s[, tau, verify_per_request, rows_off_reference]}}."""
+    -> {mode: {tokens, seconds, tok_per_s, pass_tok_per_s[, tau, verify_per_request, narrowed_share,
+    rows_off_reference]}}; ``narrowed_share``: the rounds a tree mode drafted as chains."""
     gamma = draft.config.num_draft_tokens
     n_batches = -(-max(prompts, R) // R)
     texts = mixed_prompts(n_batches * R)
@@ -130,8 +131,8 @@ def run_modes(
              **{f"{name}-lookahead": ("scheduled", None) for name in ("scheduled", *TREE_MODES)}}  # fmt: skip
     if only:  # plain always runs (the oracle reads its output, and it is every ratio's baseline)
         modes = {name: setting for name, setting in modes.items() if setting is None or name in only}
-    totals = {name: {"tokens": 0, "seconds": 0.0, "committed": 0, "rounds": 0, "budget": [], "passes": []}
-              for name in modes}  # fmt: skip
+    counters = ("tokens", "committed", "rounds", "narrowed", "verify_rounds")
+    totals = {name: {**dict.fromkeys(counters, 0), "seconds": 0.0, "budget": [], "passes": []} for name in modes}
     references, diverged = [None] * n_batches, [set() for _ in range(n_batches)]
     for _ in range(repeats):
         for t in totals.values():
@@ -164,6 +165,8 @@ def run_modes(
                 if setting is not None:
                     t["committed"] += sum(draft.stats.committed)
                     t["rounds"] += draft.stats.rounds
+                    t["narrowed"] += draft.stats.narrowed_rounds
+                    t["verify_rounds"] += len(draft.stats.verify_rounds)
                     t["budget"] += [x for rnd in draft.stats.verify_rounds for x in rnd]
     row = {"R": R, "prompts": n_batches * R}
     for name, t in totals.items():
@@ -172,12 +175,14 @@ def run_modes(
         if modes[name] is not None:
             budget = t["budget"]
             row[name].update(
-                tau=t["committed"] / max(t["rounds"], 1), verify_per_request=sum(budget) / max(len(budget), 1)
-            )
+                tau=t["committed"] / max(t["rounds"], 1), verify_per_request=sum(budget) / max(len(budget), 1),
+                narrowed_share=t["narrowed"] / max(t["verify_rounds"], 1),
+            )  # fmt: skip
         if name == "oracle":
             row[name]["rows_off_reference"] = sum(len(d) for d in diverged)
         print(f"R={R:2d} {name:16s} {row[name]['tok_per_s']:7.1f} tok/s" + (
             f"  tau {row[name]['tau']:.2f}  verify/request {row[name]['verify_per_request']:.2f}"
+            f"  narrowed {row[name]['narrowed_share']:.2f}"
             if modes[name] is not None else ""), flush=True)  # fmt: skip
     return row
 
@@ -281,8 +286,10 @@ def main() -> None:
         wanted = {without_lookahead(name) for name in args.modes or TREE_MODES}
         tree_draft_ms = {}
         for k, nodes in {TREE_MODES[name] for name in TREE_MODES if name in wanted}:
-            for R in sizes:  # what the tree modes price with (a batch's round of drafting), measured before timing
-                tree_draft_ms.setdefault(k, {})[R] = 1000 * costs.tree_draft_seconds(draft, k, R)
+            for R in sizes:  # what the tree modes price with (a batch's round of drafting, a tree's and its chain's,
+                # which a narrowed round pays), measured before timing
+                for width in (k, 1):
+                    tree_draft_ms.setdefault(width, {})[R] = 1000 * costs.tree_draft_seconds(draft, width, R)
                 costs.sps_profile(draft, target, R, max_width=nodes + 1)
         draft_ms = {R: 1000 * costs.draft_seconds(draft, R) for R in sizes}
         rows = [
