@@ -855,3 +855,43 @@ def test_narrowed_tree_rounds_decode_exactly_plain_greedy(monkeypatch):
         assert out.tolist() == ref.tolist()
         rounds = len(draft.stats.verify_rounds)
         assert rounds >= 5 and draft.stats.narrowed_rounds >= rounds // 2, (rounds, draft.stats.narrowed_rounds)
+
+
+def test_a_drafted_round_must_beat_a_plain_step_by_the_premium_the_call_observed(monkeypatch):
+    """With measured costs the schedule times its rounds against their prices: a drafted round (verify + drafting)
+    that ran at 1.8x its price while plain rounds ran at theirs must beat a plain step by that factor, so a round
+    worth 1.5x a plain step by the profile backs off; a profile the user set is taken as it is."""
+    from hf_dspark.decoding import loop
+    from hf_dspark.decoding.config import DecodingConfig
+    from hf_dspark.scheduling.costs import ObservedRounds
+    from hf_dspark.scheduling.policy import SPSProfile
+
+    observed = ObservedRounds()
+    assert observed.premium() == 1.0
+    observed.observe(True, 0.1, 0.2)
+    observed.observe(True, 0.1, 0.2)
+    observed.observe(False, 0.05, 0.05)
+    assert observed.ratio(True) == pytest.approx(6 / 4) and observed.premium() == pytest.approx(1.5 / 1.0)
+
+    sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))
+    settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
+    schedule = loop.TreeSchedule(settings, 4, [], None, sps=sps, drafting=0.03, observed=ObservedRounds())
+    trees, requests = _two_branch_trees(4, 0.05)  # Θ = 10.84 / 0.104 s against 4 / 0.058 s: 1.51x a plain step
+    chosen = schedule.select(trees, requests, 4)
+    assert [len(nodes) for nodes in chosen] == [2] * 4 and schedule.skip == 0
+    assert schedule.priced_round == (True, pytest.approx(1 / sps(12) + 0.03))
+    schedule.time_round(0.104 * 1.8)
+    assert schedule.observed.ratios[True] == [pytest.approx(1.8)] and schedule.priced_round is None
+    for _ in range(7):
+        schedule.observed.observe(True, 0.1, 0.18)
+    assert schedule.observed.premium() > 1.51
+    schedule.select(*_two_branch_trees(4, 0.05), 4)
+    assert schedule.backoff == 1 and schedule.skip == 1
+
+    monkeypatch.setattr(loop, "sps_profile", lambda *a, **k: sps)
+    monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k, rows: 0.01)
+    measured = loop.TreeSchedule(settings, 4, [], None)
+    measured.price(SimpleNamespace(sps_profile=None), None, 4)
+    pinned = loop.TreeSchedule(settings, 4, [], None)
+    pinned.price(SimpleNamespace(sps_profile=sps), None, 4)
+    assert measured.observed is not None and pinned.observed is None

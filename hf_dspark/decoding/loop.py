@@ -19,6 +19,7 @@ at the end of a round are cropped, so a single row never carries holes. docs/des
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -29,7 +30,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..integration.versions import CACHE_FIELD, cache_argument, cache_from, takes_logits_to_keep
 from ..model.modeling_dspark import DSparkDraftModel
-from ..scheduling.costs import profile_rows, round_prices, sps_profile, tree_draft_seconds
+from ..scheduling.costs import ObservedRounds, profile_rows, round_prices, sps_profile, tree_draft_seconds
 from ..scheduling.policy import (
     ColumnPlan,
     SPSProfile,
@@ -493,7 +494,9 @@ class TreeSchedule:
     then. A drafted round whose chain alone (the draft's top children, and the lookup branches) at a chain's
     drafting cost would have been worth more than the tree at a tree's (Θ each, :func:`tree_rate`) narrows the
     next ``narrow_backoff`` drafted rounds to the chain (doubling up to ``MAX_BACKOFF``, reset by a tree round
-    worth more than its chain): under load a batch's trees shrink to chains, and so does their drafting cost."""
+    worth more than its chain): under load a batch's trees shrink to chains, and so does their drafting cost.
+    With measured costs (no ``draft.sps_profile`` set), a drafted round must beat a plain step by the premium the
+    call's own rounds showed (:class:`~hf_dspark.scheduling.costs.ObservedRounds`)."""
 
     settings: DecodingConfig
     draft_tokens: int
@@ -507,6 +510,8 @@ class TreeSchedule:
     skip: int = 0
     narrow_backoff: int = 0
     narrow: int = 0  # drafted rounds left that draft the chain instead of the tree
+    observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
+    priced_round: tuple[bool, float] | None = None  # this round: (drafted, the seconds it was priced at)
 
     @property
     def budget(self) -> int:
@@ -525,6 +530,8 @@ class TreeSchedule:
             self.sps = sps_profile(draft, target, rows, max_width=self.budget + 1)
             self.drafting = tree_draft_seconds(draft, self.settings.tree_top_k, rows)
             self.chain_drafting = tree_draft_seconds(draft, 1, rows)
+            if draft.sps_profile is None and self.observed is None:
+                self.observed = ObservedRounds()
 
     @property
     def round_drafting(self) -> float:
@@ -587,6 +594,7 @@ class TreeSchedule:
             drafted = any(tree.drafted for tree in trees)
             count, pays = self.count(summed, rows, len(requests), drafted)
             counts = [count] * len(ranked)
+            self.priced_round = (drafted, 1 / self.sps(rows * (1 + count)) + (self.round_drafting if drafted else 0.0))
             if drafted:  # back off when this drafted round is not worth a plain step in expectation
                 if self.narrow:
                     self.narrow -= 1
@@ -623,12 +631,21 @@ class TreeSchedule:
             self.narrow_backoff = 0
         return chain_pays
 
+    def time_round(self, seconds: float) -> None:
+        """A round just ran in ``seconds``: what it cost against its price (the premium a drafted round must pay)."""
+        if self.observed is not None and self.priced_round is not None:
+            self.observed.observe(*self.priced_round, seconds)
+        self.priced_round = None
+
     def count_at(self, values: list[float], rows: int, generating: int, drafting: float) -> tuple[int, bool]:
-        """:meth:`count` for a priced round drafted at ``drafting`` seconds."""
+        """:meth:`count` for a priced round drafted at ``drafting`` seconds; whether it pays is judged against a
+        plain step by the premium the call's rounds showed (1 before any, or with a profile the user set)."""
         s = self.settings
+        premium = self.observed.premium() if self.observed is not None else 1.0
         return choose_tree_nodes(
-            s.verify_mode, values, self.sps, s.confidence_threshold, drafting, rows, generating, s.greedy_lookahead
-        )
+            s.verify_mode, values, self.sps, s.confidence_threshold, drafting, rows, generating, s.greedy_lookahead,
+            premium,
+        )  # fmt: skip
 
     def observe(self, verified: VerifiedTree, path: list[int]) -> list[tuple[float, bool, bool]]:
         """After the walk: the lookup rate learns from the looked-up nodes the walk could have taken. -> the verified
@@ -685,6 +702,7 @@ def tree_round(state: DecodeState, schedule: TreeSchedule, target, cache, tap, r
     """One round of trees: each generating row proposes its tree, the chosen nodes of every row are verified in one
     forward ([R, W] slots, each row's ancestor mask, depth positions), each row walks its accepted path exactly, and
     both caches keep exactly those paths."""
+    start = time.perf_counter()
     requests = schedule.requests(state, max_length, rules.processors)
     outputs.stats.narrowed_rounds += any(request.draft and request.top_k == 1 for request in requests)
     trees = propose_trees(schedule.proposers, requests)
@@ -719,6 +737,7 @@ def tree_round(state: DecodeState, schedule: TreeSchedule, target, cache, tap, r
         paths[r] = [0, *result.slots]
     if state.active:
         state.keep_paths(paths, fused, positions)
+    schedule.time_round(time.perf_counter() - start)  # the walks read the logits on the host: the round is done
 
 
 def tree_schedule(draft, target, cache, settings: DecodingConfig, stats: DSparkStats) -> TreeSchedule | None:

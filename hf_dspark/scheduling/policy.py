@@ -362,6 +362,7 @@ def choose_tree_nodes(
     rows: int = 1,
     generating: int = 1,
     lookahead: bool = False,
+    premium: float = 1.0,
 ) -> tuple[int, bool]:
     """How many of a tree's best nodes to verify, ``values`` being their path values (estimated probabilities that
     the target's walk reaches them) in the order :meth:`hf_dspark.decoding.tree.TokenTree.ranked` gives them (ancestors
@@ -371,7 +372,8 @@ def choose_tree_nodes(
     ``scheduled``/``async`` run Algorithm 1 over nodes: admit while τ·SPS(1 + B) rises, τ = 1 + Σ values, with the
     drafting cost ``draft_seconds`` added to every step, and stop at the first non-improvement (the early stop
     keeps the choice from depending on nodes below a rejected one). Drafting paid when the plan's expected rate
-    beats a plain step's (``sps(1)``) with at least one node.
+    beats a plain step's (``sps(1)``) times ``premium`` (what a drafted round was seen to cost over its price,
+    relative to a plain one; :class:`~hf_dspark.scheduling.costs.ObservedRounds`) with at least one node.
 
     A batch of ``rows`` rows, ``generating`` of them still generating, verifies [rows, 1 + B] slots: ``values[i]``
     is then the sum over the generating rows of their (i + 1)-th best node's value, τ starts at ``generating`` (each
@@ -393,7 +395,7 @@ def choose_tree_nodes(
                 continue
             break
         theta, chosen = tau * priced(rows * (1 + B)), B
-    return chosen, chosen > 0 and theta > generating * sps(rows)
+    return chosen, chosen > 0 and theta > generating * sps(rows) * premium
 
 
 def tree_rate(
