@@ -570,3 +570,51 @@ def test_pinned_costs_are_measured_once_and_then_set_without_measuring(tmp_path,
     assert pinned["dtype"] == "float32" and pinned["device"] == "cpu"
     with pytest.raises(ValueError, match=r"measured in dtype float32 on device cpu, but the draft runs in bfloat16"):
         pin_costs(second.to(torch.bfloat16), target, path, tree_top_k=[2])
+
+
+def test_drafting_pays_only_by_the_observed_premium():
+    """A drafted round worth 2.07x a plain step by the profile pays at a premium of 2.0 and not at 2.1."""
+    from hf_dspark.scheduling.policy import drafting_pays
+
+    sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))
+    confidences = torch.tensor([[0.9, 0.8]])  # 1 + 0.9 + 0.72 tokens in 0.01 + 1 / SPS(3) s; plain: 1 in 1 / SPS(1)
+    rate = 2.62 / (0.01 + 0.056) / sps(1)
+    assert 2.0 < rate < 2.1
+    assert drafting_pays(confidences, [2], 1, sps, 0.01)
+    assert drafting_pays(confidences, [2], 1, sps, 0.01, premium=2.0)
+    assert not drafting_pays(confidences, [2], 1, sps, 0.01, premium=2.1)
+
+
+@pytest.mark.parametrize("tree_top_k", [1, 3])
+def test_measured_schedules_time_every_round_and_pinned_ones_none(monkeypatch, tree_top_k):
+    """With measured costs a scheduled call times each round against its price (drafted rounds at verify +
+    drafting, plain ones at a step), chains and trees alike; with a profile the user set it times none."""
+    from hf_dspark import DSparkDraftModel
+    from hf_dspark.decoding import loop
+
+    made = []
+
+    class Recording(costs.ObservedRounds):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(loop, "ObservedRounds", Recording)
+    monkeypatch.setattr(costs, "measure_profile", lambda t, grid, rows: SPSProfile.from_callable(lambda B: 1 / B))
+    monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
+    monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k, rows: 0.0)
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=20, do_sample=False, custom_generate=hf_dspark.dspark_generate, draft=draft,
+              verify_mode="scheduled", tree_top_k=tree_top_k, lookup_max_ngram=0)  # fmt: skip
+    out = target.generate(ids, **kw)
+    assert out.tolist() == target.generate(ids, max_new_tokens=20, do_sample=False).tolist()
+    (observed,) = made
+    rounds = len(draft.stats.verify_rounds)
+    timed = observed.ratios[True] + observed.ratios[False]
+    assert rounds - 1 <= len(timed) <= rounds and all(r > 0 for r in timed)  # a chain's last round ends the call
+    assert observed.ratios[True]  # drafted rounds were timed
+    draft.sps_profile = SPSProfile.from_callable(lambda B: 1 / B)
+    target.generate(ids, **kw)
+    assert len(made) == 1

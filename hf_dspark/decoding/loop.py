@@ -338,6 +338,8 @@ class Schedule:
     skip: int = 0  # rounds left that do not draft
     lookup_width: int | None = None  # ``lookup_adaptive``: the most tokens the next lookup verifies (None: γ)
     recalibration: AcceptanceRecalibration | None = None  # priced modes: the head's confidences, shifted per call
+    observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
+    priced_round: tuple[bool, float] | None = None  # this round: (drafted, the seconds it was priced at)
 
     def __post_init__(self):
         if self.priced and self.settings.confidence_recalibration:
@@ -348,8 +350,19 @@ class Schedule:
         return self.settings.priced
 
     def price(self, draft, target, rows: int, do_sample: bool) -> None:
+        """Price rounds of ``rows`` batch rows; with measured costs (no ``draft.sps_profile``), also time the call's
+        rounds against those prices (:class:`~hf_dspark.scheduling.costs.ObservedRounds`): a drafted round must
+        then beat a plain step by the premium they show."""
         if self.priced:
             self.sps, self.drafting, self.planning = round_prices(draft, target, rows, do_sample)
+            if draft.sps_profile is None and self.observed is None:
+                self.observed = ObservedRounds()
+
+    def time_round(self, seconds: float) -> None:
+        """A round just ran in ``seconds``: what it cost against its price."""
+        if self.observed is not None and self.priced_round is not None:
+            self.observed.observe(*self.priced_round, seconds)
+        self.priced_round = None
 
     def plan(self, state: DecodeState, max_length: int) -> RoundPlan:
         s = self.settings
@@ -410,13 +423,20 @@ class Schedule:
                 s.verify_mode, conf, plan.caps, self.confidences, self.planning, s.confidence_threshold,
                 s.verify_layout, self.recalibration,
             )  # fmt: skip
-        if conf is not None and conf.shape[1]:
+        drafted_round = conf is not None and conf.shape[1] > 0
+        if self.priced:
+            width = 1 + max([lengths[r] for r in state.active] + [plan.looked_up[r].shape[0] for r in plan.looked_up])
+            self.priced_round = (drafted_round, 1 / self.sps(state.size * width) + self.drafting * drafted_round)
+        if drafted_round:
             priced = conf if self.recalibration is None else self.recalibration.apply(conf)
             self.confidences = [*self.confidences[-1:], priced.cpu()]
             if self.priced:
                 drafted = [r for r in state.active if r not in plan.looked_up]
                 expected = [lengths[r] for r in drafted]
-                pays = drafting_pays(self.confidences[-1][drafted], expected, state.size, self.sps, self.drafting)
+                premium = self.observed.premium() if self.observed is not None else 1.0
+                pays = drafting_pays(
+                    self.confidences[-1][drafted], expected, state.size, self.sps, self.drafting, premium
+                )
                 self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
                 self.skip = self.backoff
         for r, found in plan.looked_up.items():
@@ -813,6 +833,7 @@ def dspark_decode(
                 state.compact()  # the draft proposer's context is the state's: it follows
                 trees.price(draft, target, profile_rows(state.size, batch))
         while state.active:
+            start = time.perf_counter()
             stats.round_rows.append([state.rows[r] for r in state.active])
             plan = schedule.plan(state, g.max_length)
             proposal = draft_block(
@@ -831,6 +852,7 @@ def dspark_decode(
             if not state.active:
                 break
             state.advance(kept, fused, block.positions)
+            schedule.time_round(time.perf_counter() - start)  # acceptance read the logits on the host: it is done
             if compact and any(state.finished):
                 schedule.select(state.compact())
                 schedule.price(draft, target, profile_rows(state.size, batch), g.do_sample)

@@ -274,9 +274,12 @@ def drafting_pays(
     rows: int,
     sps: SPSProfile | Callable[[int], float],
     draft_seconds: float,
+    premium: float = 1.0,
 ) -> bool:
-    """Whether a drafted round beats a plain decoding step, in expectation: confidences [A, γ] and the planned
-    ``lengths`` [A] of the A rows still generating, in a padded verify of ``rows`` batch rows. A drafted round
+    """Whether a drafted round beats a plain decoding step, in expectation, by ``premium`` (what drafted rounds
+    were seen to cost over their price relative to plain ones: :class:`~hf_dspark.scheduling.costs.ObservedRounds`):
+    confidences [A, γ] and the planned ``lengths`` [A] of the A rows still generating, in a padded verify of
+    ``rows`` batch rows. A drafted round
     commits Σ_r (1 + Σ_{j ≤ ℓ_r} a_{r,j}) tokens (a = prefix survival) in ``draft_seconds`` + 1 / SPS(rows·(1 + max ℓ))
     seconds; a plain step commits A tokens in 1 / SPS(rows) seconds. The decoding loop asks after each drafted
     round and stops drafting for a while (exponential backoff) when the answer is no: under heavy load, or with a
@@ -292,7 +295,7 @@ def drafting_pays(
     expected = sum(1 + float(survival[r, :ell].sum()) for r, ell in enumerate(lengths))
     width = 1 + max(lengths)
     drafted = expected / (draft_seconds + 1.0 / sps(rows * width))
-    return drafted > confidences.shape[0] * sps(rows)
+    return drafted > confidences.shape[0] * sps(rows) * premium
 
 
 def fill_top_k(confidences: torch.Tensor, capacity: int) -> list[int]:
