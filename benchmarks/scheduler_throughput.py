@@ -9,7 +9,8 @@ plain batched ``generate``, DSpark ``fixed`` with γ ∈ {2, 4, 8} (``verify_lim
 ``scheduled-packed`` (the paper's per-token Algorithm 1, which prices a token as one slot although this loop
 verifies a padded [R, 1 + ℓ] block), ``async``, ``scheduled-tree-K`` (each row its own token tree of top-K children,
 at most 16 nodes for K = 2 and 32 for K = 4 and 16), ``scheduled-lookahead`` and ``scheduled-tree-K-lookahead``
-(the same with ``greedy_lookahead=True``), and a measured hindsight oracle: a run in which each row verifies
+(the same with ``greedy_lookahead=True``), any scheduled one with ``-fixed-costs`` (``cost_recalibration=False``:
+priced by the measured profile alone), and a measured hindsight oracle: a run in which each row verifies
 exactly the draft tokens that plain greedy's output shows were going to be accepted (no rejected token is ever
 verified). The oracle bounds what a verify-length policy can gain where a verify step's cost grows with its
 tokens; where it does not (bfloat16 on CPUs with native bf16 units, up to ~10 tokens), verifying more costs
@@ -105,10 +106,11 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
 TREE_MODES = {"scheduled-tree-2": (2, 16), "scheduled-tree-4": (4, 32), "scheduled-tree-16": (16, 32)}
 
 
-def without_lookahead(mode: str) -> str:
-    """The mode a ``-lookahead`` mode runs with ``greedy_lookahead=True`` (``scheduled-tree-16-lookahead`` ->
-    ``scheduled-tree-16``); any other mode is itself."""
-    return mode.removesuffix("-lookahead")
+def base_mode(mode: str) -> str:
+    """The mode a ``-lookahead`` mode runs with ``greedy_lookahead=True`` and a ``-fixed-costs`` mode with
+    ``cost_recalibration=False`` (``scheduled-tree-16-lookahead-fixed-costs`` -> ``scheduled-tree-16``); any other
+    mode is itself."""
+    return mode.removesuffix("-fixed-costs").removesuffix("-lookahead")
 
 
 def run_modes(
@@ -129,6 +131,8 @@ def run_modes(
              "oracle": ("fixed", None), "scheduled+lookup": ("scheduled", None),
              **{name: ("scheduled", None) for name in TREE_MODES},
              **{f"{name}-lookahead": ("scheduled", None) for name in ("scheduled", *TREE_MODES)}}  # fmt: skip
+    modes |= {f"{name}-fixed-costs": ("scheduled", None) for name in list(modes) if base_mode(name) in
+              ("scheduled", *TREE_MODES)}  # fmt: skip
     if only:  # plain always runs (the oracle reads its output, and it is every ratio's baseline)
         modes = {name: setting for name, setting in modes.items() if setting is None or name in only}
     counters = ("tokens", "committed", "rounds", "narrowed", "verify_rounds")
@@ -146,13 +150,14 @@ def run_modes(
                     references[b] = out.tolist()
                 else:
                     mode, limit = setting
-                    tree_top_k, nodes = TREE_MODES.get(without_lookahead(name), (1, gamma))
+                    tree_top_k, nodes = TREE_MODES.get(base_mode(name), (1, gamma))
                     settings = {
                         "verify_mode": mode, "verify_limit": limit or nodes, "tree_top_k": tree_top_k,
                         "verify_layout": "packed" if name.endswith("-packed") else "padded",
                         # the shipped lookup drafting, for its own row only: the others compare verify modes
                         "lookup_max_ngram": 3 if name.endswith("+lookup") else 0,
-                        "greedy_lookahead": name.endswith("-lookahead"),
+                        "greedy_lookahead": name.removesuffix("-fixed-costs").endswith("-lookahead"),
+                        "cost_recalibration": not name.endswith("-fixed-costs"),
                     }  # fmt: skip
                     with hindsight(references[b], diverged[b]) if name == "oracle" else nullcontext():
                         out = target.generate(ids, custom_generate=dspark_generate, draft=draft, **settings, **kw)
@@ -192,7 +197,7 @@ def markdown(result: dict) -> str:
     whose modes ran: best fixed, the oracle, and the best token-tree mode against the chain)."""
     rows = result["rows"]
     names = [k for k in rows[0] if k not in ("R", "prompts")]
-    trees = [k for k in names if without_lookahead(k) in TREE_MODES]
+    trees = [k for k in names if base_mode(k) in TREE_MODES]
     fixed = [k for k in names if k.startswith("fixed")]
     ratios = {
         "scheduled / best fixed": (fixed, lambda row: _ratio(row["scheduled"], _fastest(row, fixed))),
@@ -283,7 +288,7 @@ def main() -> None:
         sizes = sorted({loop.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
         measure_sps(draft, *sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
         sps = {R: costs.sps_profile(draft, target, R).table for R in sizes}
-        wanted = {without_lookahead(name) for name in args.modes or TREE_MODES}
+        wanted = {base_mode(name) for name in args.modes or TREE_MODES}
         tree_draft_ms = {}
         for k, nodes in {TREE_MODES[name] for name in TREE_MODES if name in wanted}:
             for R in sizes:  # what the tree modes price with (a batch's round of drafting, a tree's and its chain's,

@@ -51,6 +51,9 @@ class DecodingConfig:
             one row.
         confidence_recalibration: (``scheduled``/``async``) shift the head's confidences, per call, toward the
             acceptance observed in that call's own earlier rounds (``hf_dspark.scheduling.recalibration``).
+        cost_recalibration: (``scheduled``/``async`` with measured costs; no ``draft.sps_profile`` set) time each
+            round against its price and ask a drafted round to beat a plain step by the premium drafted rounds
+            showed over plain ones in that call (``hf_dspark.scheduling.costs.ObservedRounds``).
         greedy_lookahead: (``scheduled`` on the ``padded`` layout, one row, or trees; greedy decoding) choose the
             verify width (a tree's node count) with the best Θ among all of them instead of stopping at the first
             that does not raise Θ (the ``packed`` multi-row plan keeps its early stop), so a jagged SPS
@@ -80,6 +83,7 @@ class DecodingConfig:
     confidence_threshold: float = 0.5
     verify_layout: str = "padded"
     confidence_recalibration: bool = True
+    cost_recalibration: bool = True
     greedy_lookahead: bool = False
     lookup_max_ngram: int = 0
     lookup_min_ngram: int = 2
@@ -108,6 +112,8 @@ class DecodingConfig:
             raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {self.verify_layout!r}")
         if not isinstance(self.confidence_recalibration, bool):
             raise ValueError(f"confidence_recalibration must be True or False, got {self.confidence_recalibration!r}")
+        if not isinstance(self.cost_recalibration, bool):
+            raise ValueError(f"cost_recalibration must be True or False, got {self.cost_recalibration!r}")
         if not isinstance(self.greedy_lookahead, bool):
             raise ValueError(f"greedy_lookahead must be True or False, got {self.greedy_lookahead!r}")
         if not _is_int(self.lookup_max_ngram, 0):

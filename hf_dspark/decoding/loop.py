@@ -350,12 +350,13 @@ class Schedule:
         return self.settings.priced
 
     def price(self, draft, target, rows: int, do_sample: bool) -> None:
-        """Price rounds of ``rows`` batch rows; with measured costs (no ``draft.sps_profile``), also time the call's
-        rounds against those prices (:class:`~hf_dspark.scheduling.costs.ObservedRounds`): a drafted round must
-        then beat a plain step by the premium they show."""
+        """Price rounds of ``rows`` batch rows; with measured costs (no ``draft.sps_profile``) and
+        ``cost_recalibration``, also time the call's rounds against those prices
+        (:class:`~hf_dspark.scheduling.costs.ObservedRounds`): a drafted round must then beat a plain step by the
+        premium they show."""
         if self.priced:
             self.sps, self.drafting, self.planning = round_prices(draft, target, rows, do_sample)
-            if draft.sps_profile is None and self.observed is None:
+            if self.settings.cost_recalibration and draft.sps_profile is None and self.observed is None:
                 self.observed = ObservedRounds()
 
     def time_round(self, seconds: float) -> None:
@@ -515,8 +516,8 @@ class TreeSchedule:
     drafting cost would have been worth more than the tree at a tree's (Θ each, :func:`tree_rate`) narrows the
     next ``narrow_backoff`` drafted rounds to the chain (doubling up to ``MAX_BACKOFF``, reset by a tree round
     worth more than its chain): under load a batch's trees shrink to chains, and so does their drafting cost.
-    With measured costs (no ``draft.sps_profile`` set), a drafted round must beat a plain step by the premium the
-    call's own rounds showed (:class:`~hf_dspark.scheduling.costs.ObservedRounds`)."""
+    With measured costs (no ``draft.sps_profile`` set) and ``cost_recalibration``, a drafted round must beat a
+    plain step by the premium the call's own rounds showed (:class:`~hf_dspark.scheduling.costs.ObservedRounds`)."""
 
     settings: DecodingConfig
     draft_tokens: int
@@ -550,7 +551,7 @@ class TreeSchedule:
             self.sps = sps_profile(draft, target, rows, max_width=self.budget + 1)
             self.drafting = tree_draft_seconds(draft, self.settings.tree_top_k, rows)
             self.chain_drafting = tree_draft_seconds(draft, 1, rows)
-            if draft.sps_profile is None and self.observed is None:
+            if self.settings.cost_recalibration and draft.sps_profile is None and self.observed is None:
                 self.observed = ObservedRounds()
 
     @property

@@ -78,6 +78,7 @@ def dspark_generate(
     lookup_adaptive: bool | None = None,
     verify_layout: str | None = None,
     confidence_recalibration: bool | None = None,
+    cost_recalibration: bool | None = None,
     greedy_lookahead: bool | None = None,
     tree_top_k: int | None = None,
     tree_lookup_merge: bool | None = None,
