@@ -600,7 +600,7 @@ def test_measured_schedules_time_every_round_and_pinned_ones_none(monkeypatch, t
             super().__init__()
             made.append(self)
 
-    monkeypatch.setattr(loop, "ObservedRounds", Recording)
+    monkeypatch.setattr(costs, "ObservedRounds", Recording)
     monkeypatch.setattr(costs, "measure_profile", lambda t, grid, rows: SPSProfile.from_callable(lambda B: 1 / B))
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
     monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k, rows: 0.0)

@@ -879,9 +879,9 @@ def test_a_drafted_round_must_beat_a_plain_step_by_the_premium_the_call_observed
     trees, requests = _two_branch_trees(4, 0.05)  # Θ = 10.84 / 0.104 s against 4 / 0.058 s: 1.51x a plain step
     chosen = schedule.select(trees, requests, 4)
     assert [len(nodes) for nodes in chosen] == [2] * 4 and schedule.skip == 0
-    assert schedule.priced_round == (True, pytest.approx(1 / sps(12) + 0.03))
+    assert schedule.observed.pending == (True, pytest.approx(1 / sps(12) + 0.03))
     schedule.time_round(0.104 * 1.8)
-    assert schedule.observed.ratios[True] == [pytest.approx(1.8)] and schedule.priced_round is None
+    assert schedule.observed.ratios[True] == [pytest.approx(1.8)] and schedule.observed.pending is None
     for _ in range(7):
         schedule.observed.observe(True, 0.1, 0.18)
     assert schedule.observed.premium() > 1.51

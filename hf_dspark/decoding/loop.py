@@ -30,7 +30,15 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..integration.versions import CACHE_FIELD, cache_argument, cache_from, takes_logits_to_keep
 from ..model.modeling_dspark import DSparkDraftModel
-from ..scheduling.costs import ObservedRounds, profile_rows, round_prices, sps_profile, tree_draft_seconds
+from ..scheduling.costs import (
+    ObservedRounds,
+    observed_rounds,
+    premium,
+    profile_rows,
+    round_prices,
+    sps_profile,
+    tree_draft_seconds,
+)
 from ..scheduling.policy import (
     ColumnPlan,
     SPSProfile,
@@ -339,7 +347,6 @@ class Schedule:
     lookup_width: int | None = None  # ``lookup_adaptive``: the most tokens the next lookup verifies (None: γ)
     recalibration: AcceptanceRecalibration | None = None  # priced modes: the head's confidences, shifted per call
     observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
-    priced_round: tuple[bool, float] | None = None  # this round: (drafted, the seconds it was priced at)
 
     def __post_init__(self):
         if self.priced and self.settings.confidence_recalibration:
@@ -356,14 +363,12 @@ class Schedule:
         premium they show."""
         if self.priced:
             self.sps, self.drafting, self.planning = round_prices(draft, target, rows, do_sample)
-            if self.settings.cost_recalibration and draft.sps_profile is None and self.observed is None:
-                self.observed = ObservedRounds()
+            self.observed = observed_rounds(self.observed, draft, self.settings.cost_recalibration)
 
     def time_round(self, seconds: float) -> None:
-        """A round just ran in ``seconds``: what it cost against its price."""
-        if self.observed is not None and self.priced_round is not None:
-            self.observed.observe(*self.priced_round, seconds)
-        self.priced_round = None
+        """A round just ran in ``seconds``: what it cost against its price (the premium a drafted round must pay)."""
+        if self.observed is not None:
+            self.observed.finish(seconds)
 
     def plan(self, state: DecodeState, max_length: int) -> RoundPlan:
         s = self.settings
@@ -425,18 +430,17 @@ class Schedule:
                 s.verify_layout, self.recalibration,
             )  # fmt: skip
         drafted_round = conf is not None and conf.shape[1] > 0
-        if self.priced:
+        if self.observed is not None:
             width = 1 + max([lengths[r] for r in state.active] + [plan.looked_up[r].shape[0] for r in plan.looked_up])
-            self.priced_round = (drafted_round, 1 / self.sps(state.size * width) + self.drafting * drafted_round)
+            self.observed.expect(drafted_round, 1 / self.sps(state.size * width) + self.drafting * drafted_round)
         if drafted_round:
             priced = conf if self.recalibration is None else self.recalibration.apply(conf)
             self.confidences = [*self.confidences[-1:], priced.cpu()]
             if self.priced:
                 drafted = [r for r in state.active if r not in plan.looked_up]
                 expected = [lengths[r] for r in drafted]
-                premium = self.observed.premium() if self.observed is not None else 1.0
                 pays = drafting_pays(
-                    self.confidences[-1][drafted], expected, state.size, self.sps, self.drafting, premium
+                    self.confidences[-1][drafted], expected, state.size, self.sps, self.drafting, premium(self.observed)
                 )
                 self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
                 self.skip = self.backoff
@@ -532,7 +536,6 @@ class TreeSchedule:
     narrow_backoff: int = 0
     narrow: int = 0  # drafted rounds left that draft the chain instead of the tree
     observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
-    priced_round: tuple[bool, float] | None = None  # this round: (drafted, the seconds it was priced at)
 
     @property
     def budget(self) -> int:
@@ -551,8 +554,7 @@ class TreeSchedule:
             self.sps = sps_profile(draft, target, rows, max_width=self.budget + 1)
             self.drafting = tree_draft_seconds(draft, self.settings.tree_top_k, rows)
             self.chain_drafting = tree_draft_seconds(draft, 1, rows)
-            if self.settings.cost_recalibration and draft.sps_profile is None and self.observed is None:
-                self.observed = ObservedRounds()
+            self.observed = observed_rounds(self.observed, draft, self.settings.cost_recalibration)
 
     @property
     def round_drafting(self) -> float:
@@ -615,7 +617,9 @@ class TreeSchedule:
             drafted = any(tree.drafted for tree in trees)
             count, pays = self.count(summed, rows, len(requests), drafted)
             counts = [count] * len(ranked)
-            self.priced_round = (drafted, 1 / self.sps(rows * (1 + count)) + (self.round_drafting if drafted else 0.0))
+            if self.observed is not None:
+                drafting = self.round_drafting if drafted else 0.0
+                self.observed.expect(drafted, 1 / self.sps(rows * (1 + count)) + drafting)
             if drafted:  # back off when this drafted round is not worth a plain step in expectation
                 if self.narrow:
                     self.narrow -= 1
@@ -652,20 +656,15 @@ class TreeSchedule:
             self.narrow_backoff = 0
         return chain_pays
 
-    def time_round(self, seconds: float) -> None:
-        """A round just ran in ``seconds``: what it cost against its price (the premium a drafted round must pay)."""
-        if self.observed is not None and self.priced_round is not None:
-            self.observed.observe(*self.priced_round, seconds)
-        self.priced_round = None
+    time_round = Schedule.time_round
 
     def count_at(self, values: list[float], rows: int, generating: int, drafting: float) -> tuple[int, bool]:
         """:meth:`count` for a priced round drafted at ``drafting`` seconds; whether it pays is judged against a
         plain step by the premium the call's rounds showed (1 before any, or with a profile the user set)."""
         s = self.settings
-        premium = self.observed.premium() if self.observed is not None else 1.0
         return choose_tree_nodes(
             s.verify_mode, values, self.sps, s.confidence_threshold, drafting, rows, generating, s.greedy_lookahead,
-            premium,
+            premium(self.observed),
         )  # fmt: skip
 
     def observe(self, verified: VerifiedTree, path: list[int]) -> list[tuple[float, bool, bool]]:

@@ -153,6 +153,17 @@ class ObservedRounds:
 
     prior: float = 2.0
     ratios: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+    pending: tuple[bool, float] | None = None  # the round under way: (drafted, the seconds it was priced at)
+
+    def expect(self, drafted: bool, priced: float) -> None:
+        """The round under way was priced at ``priced`` seconds (``drafted``: verify + drafting)."""
+        self.pending = (drafted, priced)
+
+    def finish(self, seconds: float) -> None:
+        """The round under way ran in ``seconds``."""
+        if self.pending is not None:
+            self.observe(*self.pending, seconds)
+        self.pending = None
 
     def observe(self, drafted: bool, priced: float, seconds: float) -> None:
         if priced > 0 and seconds > 0:
@@ -164,6 +175,19 @@ class ObservedRounds:
 
     def premium(self) -> float:
         return self.ratio(True) / self.ratio(False)
+
+
+def observed_rounds(current: ObservedRounds | None, draft: DSparkDraftModel, recalibrate: bool):
+    """The call's :class:`ObservedRounds`: ``current`` once made; a new one when the call recalibrates its costs and
+    they are measured (a profile the user set, ``draft.sps_profile``, is taken as given); else ``None``."""
+    if current is None and recalibrate and draft.sps_profile is None:
+        return ObservedRounds()
+    return current
+
+
+def premium(observed: ObservedRounds | None) -> float:
+    """What a drafted round must beat a plain step by: the call's observed premium, 1 when it observes none."""
+    return observed.premium() if observed is not None else 1.0
 
 
 def round_prices(draft: DSparkDraftModel, target, rows: int, do_sample: bool):
