@@ -588,8 +588,8 @@ def test_drafting_pays_only_by_the_observed_premium():
 @pytest.mark.parametrize("tree_top_k", [1, 3])
 def test_measured_schedules_time_every_round_and_pinned_ones_none(monkeypatch, tree_top_k):
     """With measured costs a scheduled call times each round against its price (drafted rounds at verify +
-    drafting, plain ones at a step), chains and trees alike; with ``cost_recalibration=False`` or a profile the user
-    set it times none."""
+    drafting, plain ones at a step), chains and trees alike; with ``cost_recalibration=False``, in a sampling call or
+    with a profile the user set it times none."""
     from hf_dspark import DSparkDraftModel
     from hf_dspark.decoding import loop
 
@@ -617,6 +617,7 @@ def test_measured_schedules_time_every_round_and_pinned_ones_none(monkeypatch, t
     assert rounds - 1 <= len(timed) <= rounds and all(r > 0 for r in timed)  # a chain's last round ends the call
     assert observed.ratios[True]  # drafted rounds were timed
     target.generate(ids, **kw, cost_recalibration=False)  # the setting off: priced by the profile alone
+    target.generate(ids, **{**kw, "do_sample": True})  # sampling: wall time must not steer a seeded call's draws
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1 / B)
     target.generate(ids, **kw)
     assert len(made) == 1

@@ -815,6 +815,8 @@ def dspark_decode(
     settings = settings or draft.decoding.resolve(draft.confidence is not None)
     if g.do_sample and settings.greedy_lookahead:  # sampling keeps Algorithm 1's early stop: it is what keeps it exact
         settings = dataclasses.replace(settings, greedy_lookahead=False)
+    if g.do_sample and settings.cost_recalibration:  # decisions that follow wall time would change which random
+        settings = dataclasses.replace(settings, cost_recalibration=False)  # draws a seeded call makes
     schedule = Schedule(settings, draft.config.num_draft_tokens)
     with LayerTap(target, draft) as tap:
         state = prefill(target, draft, input_ids, model_kwargs, cache, tap, rules, g.max_length, pad_id, outputs)
