@@ -613,7 +613,7 @@ class TreeSchedule:
         ranked = [tree.ranked(request.max_depth)[: self.budget] for tree, request in zip(trees, requests, strict=True)]
         values = [[tree.values[n] for n in nodes] for tree, nodes in zip(trees, ranked, strict=True)]
         if self.priced:
-            summed = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
+            summed = _rank_sums(values)
             drafted = any(tree.drafted for tree in trees)
             count, pays = self.count(summed, rows, len(requests), drafted)
             counts = [count] * len(ranked)
@@ -639,13 +639,14 @@ class TreeSchedule:
         generating: int,
     ) -> bool:  # fmt: skip
         """After a drafted tree round verifying ``count`` of the ranked nodes (``summed``: their values summed over
-        rows): narrow the next rounds to the chain when the chain's own best Θ at the chain's drafting cost beats
-        the tree's at the tree's (see the class). -> whether the chain would have been worth a plain step."""
+        rows): narrow the next rounds to the chain when the Θ of the chain's own choice (Algorithm 1 over its nodes)
+        at the chain's drafting cost beats the tree's at the tree's (see the class). -> whether the chain would have
+        been worth a plain step."""
         values = []
         for tree, nodes in zip(trees, ranked, strict=True):
             chain = _chain_nodes(tree)
             values.append([tree.values[n] for n in nodes if n in chain])
-        chain_summed = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values), default=0))]
+        chain_summed = _rank_sums(values)
         chain_count, chain_pays = self.count_at(chain_summed, rows, generating, self.chain_drafting)
         tree_theta = tree_rate(summed, count, self.sps, self.drafting, rows, generating)
         chain_theta = tree_rate(chain_summed, chain_count, self.sps, self.chain_drafting, rows, generating)
@@ -695,6 +696,12 @@ class TreeSchedule:
                 taken, slot = taken + 1, slot_of[top[0]]
             recalibration.observe(confidences, taken)
         return edges
+
+
+def _rank_sums(values: list[list[float]]) -> list[float]:
+    """Per rank i, the sum over rows of each row's i-th value (rows with fewer values add nothing): a padded batch
+    admits the i-th node of every row together."""
+    return [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values), default=0))]
 
 
 def _chain_nodes(tree: TokenTree) -> set[int]:

@@ -279,13 +279,12 @@ def drafting_pays(
     """Whether a drafted round beats a plain decoding step, in expectation, by ``premium`` (what drafted rounds
     were seen to cost over their price relative to plain ones: :class:`~hf_dspark.scheduling.costs.ObservedRounds`):
     confidences [A, γ] and the planned ``lengths`` [A] of the A rows still generating, in a padded verify of
-    ``rows`` batch rows. A drafted round
-    commits Σ_r (1 + Σ_{j ≤ ℓ_r} a_{r,j}) tokens (a = prefix survival) in ``draft_seconds`` + 1 / SPS(rows·(1 + max ℓ))
-    seconds; a plain step commits A tokens in 1 / SPS(rows) seconds. The decoding loop asks after each drafted
-    round and stops drafting for a while (exponential backoff) when the answer is no: under heavy load, or with a
-    draft whose block costs more than its accepted tokens save, speculation is switched off rather than paid for.
-    The decision uses only confidences of a round already verified, so it never sees the tokens it is about to
-    verify (lossless)."""
+    ``rows`` batch rows. A drafted round commits Σ_r (1 + Σ_{j ≤ ℓ_r} a_{r,j}) tokens (a = prefix survival) in
+    ``draft_seconds`` + 1 / SPS(rows·(1 + max ℓ)) seconds; a plain step commits A tokens in 1 / SPS(rows) seconds.
+    The decoding loop asks after each drafted round and stops drafting for a while (exponential backoff) when the
+    answer is no: under heavy load, or with a draft whose block costs more than its accepted tokens save,
+    speculation is switched off rather than paid for. The decision uses only confidences of a round already
+    verified, so it never sees the tokens it is about to verify (lossless)."""
     confidences = _check_confidences(confidences)
     if confidences.shape[0] != len(lengths):
         raise ValueError(f"{confidences.shape[0]} rows of confidences but {len(lengths)} lengths")
