@@ -1,0 +1,64 @@
+"""The shipped draft's training, replayed with another sequential head: the ablation at the shipped budget (#48).
+
+    python -m recipes.smollm2_ablation [--head none] [--threads 2] [--dry-run]
+
+Reads the shipped draft's ``training.json`` ``runs`` (oldest first) and trains each again with ``--head`` in its
+place, under the run name ``<head>-<run>``: the same steps, anchors, learning rate, seed, rows and layers, each run a
+warm restart from the previous one's ``final`` (growing to 3 and 4 layers where the shipped chain grew). Resumable:
+finished runs are skipped and an unfinished one resumes, so run the same command again after an interruption.
+
+Two differences from the shipped chain, both small: the shipped chain restarted three times from a *shipped*
+(bfloat16-cast, STS-calibrated) draft where this one restarts from the float32 ``final``; and its first run was
+started as a 5,000-step schedule and cut to 4,000 at step 1,200, where this one runs 4,000 from the start.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from recipes.smollm2_train import STATE
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "hf_dspark" / "checkpoints" / "smollm2-135m-instruct-dspark"
+FIRST_ROWS = 3872  # the answer rows that existed when the shipped chain's first run started (its training.json)
+
+
+def replay_commands(runs: list[dict], head: str, threads: int, first_rows: int = FIRST_ROWS) -> list[list[str]]:
+    """One ``recipes.smollm2_train`` command per shipped run (``runs``: ``training.json``'s, oldest first), with
+    ``head`` instead of the shipped head, each starting from the previous replayed run's ``final``."""
+    commands, previous = [], None
+    for run in runs:
+        weights = run["loss_weights"]
+        cmd = [sys.executable, "-m", "recipes.smollm2_train", "--head", head, "--run", f"{head}-{run['run']}",
+               "--steps", str(run["steps"]), "--anchors", str(run["anchors"]), "--lr", str(run["lr"]),
+               "--seed", str(run["seed"]), "--rows", str(run["rows"] or first_rows), "--layers", str(run["layers"]),
+               "--ce", str(weights["ce"]), "--kd", str(weights.get("kd", 0.0)),
+               "--argmax", str(weights.get("argmax", 0.0)), "--threads", str(threads)]  # fmt: skip
+        if previous is not None:
+            cmd += ["--init-from", str(STATE / previous / "final")]
+        commands.append(cmd)
+        previous = f"{head}-{run['run']}"
+    return commands
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head", default="none", choices=["markov", "none", "gated", "rnn"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shipped", type=Path, default=SHIPPED, help="the draft whose training chain is replayed")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands only")
+    args = ap.parse_args()
+    runs = json.loads((args.shipped / "training.json").read_text())["runs"]
+    for cmd in replay_commands(runs, args.head, args.threads):
+        done = (STATE / cmd[cmd.index("--run") + 1] / "final").is_dir()
+        print(("done: " if done else "+ ") + " ".join(cmd), flush=True)
+        if not done and not args.dry_run:
+            subprocess.run(cmd, check=True, cwd=ROOT)
+    last = runs[-1]["run"]
+    print(f"final draft: {STATE / f'{args.head}-{last}' / 'final'}")
+
+
+if __name__ == "__main__":
+    main()
