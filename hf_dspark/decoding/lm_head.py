@@ -1,10 +1,15 @@
-"""The target's LM head over a verify block, in whichever of two matmul orientations is faster on this engine.
+"""The target's LM head over a verify block, as one 2-D matmul, in whichever of two orientations is faster here.
 
 A verify asks for logits at a few positions: ``F.linear(h, W)`` with h [M, d], M = 2..γ+1, against the head's
 [V, d] weight. Some CPU BLAS builds take a slow small-M GEMM path for that shape, where ``W @ hᵀ`` (the same dot
 products) is much faster (figures in docs/design.md, "The verify's LM head is timed both ways"). Other engines may
 not care, so the choice is measured once per (dtype, shape, threads) on the CPU, never assumed; GPUs keep
 ``F.linear``.
+
+Either way the head sees its input as one contiguous [M, d] matrix. The prefill asks the model for the last
+position's logits only (``logits_to_keep=1``), which hands the head a strided slice [R, 1, d] of the prompt's hidden
+states; ``F.linear`` cannot fold that into one GEMM and broadcasts the weight into a batched matmul instead, which
+in bfloat16 on a CPU took 444 ms for 8 rows against 1.8 ms for the same rows copied out (docs/design.md).
 """
 
 from __future__ import annotations
@@ -24,14 +29,26 @@ MIN_ELEMENTS = 1 << 20  # a smaller head costs too little for its orientation to
 _choices: dict[tuple, bool] = {}
 
 
+def rows_matrix(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] as one contiguous [M, d] matrix (a view when it already is one, else a copy of its M rows)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def flat_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [..., d], weight [V, d] -> [..., V], on x as one contiguous [M, d] matrix
+    (:func:`rows_matrix`): bit for bit ``F.linear``'s result on contiguous input, without its batched-matmul path
+    for strided input."""
+    return F.linear(rows_matrix(x), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., d], weight [V, d] -> [..., V], computed as ``weight @ xᵀ`` when x
-    holds 2..``MAX_ROWS`` rows (else by ``F.linear``). Same products, another summation order: results agree to
-    rounding, not bit for bit."""
+    holds 2..``MAX_ROWS`` rows (else by :func:`flat_linear`). Same products, another summation order: results agree
+    to rounding, not bit for bit."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 2 <= rows <= MAX_ROWS:
-        return F.linear(x, weight, bias)
-    out = (weight @ x.reshape(rows, -1).T).T.contiguous()
+        return flat_linear(x, weight, bias)
+    out = (weight @ rows_matrix(x).T).T.contiguous()
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -86,15 +103,17 @@ def head_orientation(target) -> str:
 
 @contextlib.contextmanager
 def verify_head(target) -> Iterator[None]:
-    """Within this block, the target's LM head computes few-row inputs by :func:`few_rows_linear` where that is
-    the faster orientation here (:func:`head_orientation`); otherwise, and after the block, it is untouched. The
-    decoding loop's verify forwards and the SPS profile's timed steps run inside it, so the scheduler prices the
-    head the loop uses. Re-entering (or a second thread) while it is routed leaves the route as it is."""
+    """Within this block, a plain ``nn.Linear`` LM head of the target computes on its input as one contiguous
+    matrix (:func:`flat_linear`), and few-row inputs by :func:`few_rows_linear` where that is the faster
+    orientation here (:func:`head_orientation`); after the block, and for a head someone else wrapped, it is
+    untouched. The decoding loop's forwards and the SPS profile's timed steps run inside it, so the scheduler prices
+    the head the loop uses. Re-entering (or a second thread) while it is routed leaves the route as it is."""
     head = plain_linear_head(target)
-    if head is None or _ours(head) or not transposed_pays(head.weight):  # off here, or already routed
+    if head is None or _ours(head):  # someone else's head, or already routed
         yield
         return
-    route = functools.partial(few_rows_linear, weight=head.weight, bias=head.bias)
+    linear = few_rows_linear if transposed_pays(head.weight) else flat_linear
+    route = functools.partial(linear, weight=head.weight, bias=head.bias)
     route.hf_dspark_verify_head = True
     head.forward = route
     try:
