@@ -61,7 +61,7 @@ def test_generate_asks_for_no_hidden_states_and_leaves_no_hooks(monkeypatch):
     assert out.tolist() == target.generate(ids, max_new_tokens=12, do_sample=False).tolist()
     assert asked and not any(asked)
     assert [len(layer._forward_hooks) for layer in target.get_decoder().layers] == hooks
-    monkeypatch.setattr(loop, "check_finite", lambda logits: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(loop, "check_finite", lambda logits, valid=None: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         target.generate(ids, max_new_tokens=4, custom_generate=dspark_generate, draft=draft)
     assert [len(layer._forward_hooks) for layer in target.get_decoder().layers] == hooks  # removed on errors too

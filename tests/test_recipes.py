@@ -307,3 +307,26 @@ def test_row_fractions_are_nested_proportional_and_recorded(tmp_path):
              "loss_weights": {"ce": 1.0, "tv": 0.1, "conf": 1.0}}  # fmt: skip
     assert "--rows 500 --row-fraction 0.25" in train_command("markov", [entry])
     assert "--row-fraction" not in train_command("markov", [{**entry, "row_fraction": 1.0}])
+
+
+def test_the_ablation_replays_every_shipped_run_with_the_other_head():
+    """recipes/smollm2_ablation.py: one training command per run of the shipped draft's history, the same budget
+    and data (rows, steps, anchors, lr, seed, layers, loss), the other head, each a warm restart of the one before."""
+    from recipes.smollm2_ablation import FIRST_ROWS, SHIPPED, replay_commands
+    from recipes.smollm2_train import STATE
+
+    runs = json.loads((SHIPPED / "training.json").read_text())["runs"]
+    commands = replay_commands(runs, "none", threads=2)
+    assert len(commands) == len(runs) >= 2
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1] if name in cmd else None
+
+    for i, (cmd, run) in enumerate(zip(commands, runs, strict=True)):
+        assert flag(cmd, "--head") == "none" and flag(cmd, "--run") == f"none-{run['run']}"
+        for name in ("steps", "anchors", "lr", "seed", "layers"):
+            assert flag(cmd, f"--{name}") == str(run[name])
+        assert flag(cmd, "--rows") == str(run["rows"] or FIRST_ROWS)
+        assert flag(cmd, "--ce") == str(run["loss_weights"]["ce"])
+        previous = None if i == 0 else str(STATE / f"none-{runs[i - 1]['run']}" / "final")
+        assert flag(cmd, "--init-from") == previous

@@ -14,6 +14,7 @@ from transformers import (
 )
 
 from hf_dspark import DSparkDraftModel, dspark_generate
+from hf_dspark.decoding.checks import check_finite
 from hf_dspark.testing import tiny_target
 
 SMALL = dict(
@@ -148,6 +149,24 @@ def test_non_finite_target_logits_are_named():
     target.forward = nan_after_prefill
     with pytest.raises(ValueError, match=r"non-finite logits \(NaN/inf\), which plain generate would return too"):
         target.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=8, custom_generate=dspark_generate, draft=draft)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_one_non_finite_logit_in_a_verified_slot_is_refused(poison):
+    """check_finite sums each position's logits instead of copying them out: one NaN, +inf or -inf anywhere in a
+    verified slot still makes the call fail by name; the same value in a padding slot, or huge finite logits, do
+    not."""
+    logits = torch.randn(3, 4, 50, dtype=torch.float32) * 1e30  # finite, far from where a sum would overflow
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    valid[1, 3] = False
+    check_finite(logits, valid)
+    logits[1, 3, 7] = poison
+    check_finite(logits, valid)  # a padding slot's logits are never read
+    logits[2, 1, 49] = poison
+    with pytest.raises(ValueError, match=r"non-finite logits \(NaN/inf\)"):
+        check_finite(logits, valid)
+    with pytest.raises(ValueError, match=r"non-finite logits \(NaN/inf\)"):
+        check_finite(logits[2, 1])
 
 
 def test_gemma2_in_float64_over_left_padding():

@@ -44,9 +44,15 @@ def check_supported(generation_config: GenerationConfig, input_ids: torch.Tensor
         raise ValueError("output_scores/output_logits with DSpark need batch size 1")
 
 
-def check_finite(logits: torch.Tensor) -> None:
-    """Refuse non-finite target logits by name instead of failing later in the scheduler or sampler."""
-    if not bool(torch.isfinite(logits).all()):
+def check_finite(logits: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    """Refuse non-finite target logits [..., V] (at the positions ``valid`` [...] marks, when given) by name instead
+    of failing later in the scheduler or sampler.
+
+    A position's logits are all finite iff their sum is: one inf or NaN makes the sum inf or NaN, and finite logits
+    would have to reach ~1e34 for a sum over a vocabulary to overflow. The sum reads the logits once; selecting the
+    valid positions first copied them, 5 ms a round for 8 rows of 9 slots on SmolLM2 here."""
+    sums = logits.sum(-1)
+    if not bool(torch.isfinite(sums if valid is None else sums[valid]).all()):
         raise ValueError(
             "the target returned non-finite logits (NaN/inf), which plain generate would return too: e.g. Gemma 2's "
             "eager attention in float64 overflows on the fully masked rows of left padding and spreads NaN to the "

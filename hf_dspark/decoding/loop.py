@@ -855,7 +855,7 @@ def dspark_decode(
             mask = state.attention_mask(block.valid)
             out, fused = target_forward(target, block.tokens, block.positions, mask, cache, tap)
             raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
-            check_finite(raw[block.valid])
+            check_finite(raw, block.valid)
             kept = accept(state, block, raw, rows, rules, outputs)
             schedule.observe(rows, kept)
             if not state.active:

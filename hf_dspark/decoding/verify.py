@@ -61,11 +61,12 @@ def rejection_sample(
 def verify_row(draft_tokens, draft_probs, raw_logits, history, logits_processor, do_sample):
     """Exact acceptance for one row: draft_tokens [ℓ], draft_probs [ℓ, V] | None, raw target logits [ℓ+1, V],
     history [T] (the row's committed tokens) -> (n accepted, next token, processed target scores [ℓ+1, V])."""
-    candidate = torch.cat([history, draft_tokens])
-    base = history.shape[0]
-    scores = torch.cat(
-        [process(logits_processor, candidate[None, : base + i], raw_logits[i : i + 1]) for i in range(len(raw_logits))]
-    )
+    if logits_processor:  # each position's processors see the row's history up to it
+        candidate, base = torch.cat([history, draft_tokens]), history.shape[0]
+        scores = torch.cat([process(logits_processor, candidate[None, : base + i], raw_logits[i : i + 1])
+                            for i in range(len(raw_logits))])  # fmt: skip
+    else:  # nothing to process: the raw logits are the scores, uncopied (a copy of [ℓ+1, V] floats a row a round)
+        scores = raw_logits
     if do_sample:
         n, nxt = rejection_sample(draft_tokens, draft_probs, probs(scores))
     else:
