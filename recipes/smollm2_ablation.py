@@ -1,11 +1,14 @@
 """The shipped draft's training, replayed with another sequential head: the ablation at the shipped budget (#48).
 
-    python -m recipes.smollm2_ablation [--head none] [--threads 2] [--dry-run]
+    python -m recipes.smollm2_ablation [--head none] [--threads 2] [--dry-run] [--eval OUT]
 
 Reads the shipped draft's ``training.json`` ``runs`` (oldest first) and trains each again with ``--head`` in its
 place, under the run name ``<head>-<run>``: the same steps, anchors, learning rate, seed, rows and layers, each run a
 warm restart from the previous one's ``final`` (growing to 3 and 4 layers where the shipped chain grew). Resumable:
 finished runs are skipped and an unfinished one resumes, so run the same command again after an interruption.
+With ``--eval OUT``, the finished draft is then evaluated beside the shipped one (:func:`eval_command`: draft alone,
+fixed γ = 8, greedy, float32, 30 prompts of humaneval / gsm8k / mt-bench, the issue's setting) into ``OUT``, unless
+``OUT/eval.json`` is there already.
 
 Two differences from the shipped chain, both small: the shipped chain restarted three times from a *shipped*
 (bfloat16-cast, STS-calibrated) draft where this one restarts from the float32 ``final``; and its first run was
@@ -43,12 +46,21 @@ def replay_commands(runs: list[dict], head: str, threads: int, first_rows: int =
     return commands
 
 
+def eval_command(head: str, final: Path, out: Path, shipped: Path = SHIPPED) -> list[str]:
+    """``hf-dspark eval`` of the replayed draft ``final`` beside the ``shipped`` one, side by side in one run: draft
+    alone (no lookup), fixed verification of γ tokens, greedy, float32, 30 prompts per set, into ``out``."""
+    return [sys.executable, "-m", "hf_dspark.cli", "eval", "--dtype", "float32", "--verify-mode", "fixed",
+            "--temperatures", "0", "--limit", "30", "--datasets", "humaneval", "gsm8k", "mt-bench",
+            "--draft", f"shipped={shipped}", f"{head}={final}", "--out", str(out)]  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head", default="none", choices=["markov", "none", "gated", "rnn"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shipped", type=Path, default=SHIPPED, help="the draft whose training chain is replayed")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
+    ap.add_argument("--eval", type=Path, default=None, help="then evaluate beside the shipped draft into this folder")
     args = ap.parse_args()
     runs = json.loads((args.shipped / "training.json").read_text())["runs"]
     for cmd in replay_commands(runs, args.head, args.threads):
@@ -57,7 +69,14 @@ def main() -> None:
         if not done and not args.dry_run:
             subprocess.run(cmd, check=True, cwd=ROOT)
     last = runs[-1]["run"]
-    print(f"final draft: {STATE / f'{args.head}-{last}' / 'final'}")
+    final = STATE / f"{args.head}-{last}" / "final"
+    print(f"final draft: {final}")
+    if args.eval is not None:
+        cmd = eval_command(args.head, final, args.eval, args.shipped)
+        done = (args.eval / "eval.json").is_file()
+        print(("done: " if done else "+ ") + " ".join(cmd), flush=True)
+        if not done and not args.dry_run:
+            subprocess.run(cmd, check=True, cwd=ROOT)
 
 
 if __name__ == "__main__":

@@ -312,7 +312,7 @@ def test_row_fractions_are_nested_proportional_and_recorded(tmp_path):
 def test_the_ablation_replays_every_shipped_run_with_the_other_head():
     """recipes/smollm2_ablation.py: one training command per run of the shipped draft's history, the same budget
     and data (rows, steps, anchors, lr, seed, layers, loss), the other head, each a warm restart of the one before."""
-    from recipes.smollm2_ablation import FIRST_ROWS, SHIPPED, replay_commands
+    from recipes.smollm2_ablation import FIRST_ROWS, SHIPPED, eval_command, replay_commands
     from recipes.smollm2_train import STATE
 
     runs = json.loads((SHIPPED / "training.json").read_text())["runs"]
@@ -330,3 +330,10 @@ def test_the_ablation_replays_every_shipped_run_with_the_other_head():
         assert flag(cmd, "--ce") == str(run["loss_weights"]["ce"])
         previous = None if i == 0 else str(STATE / f"none-{runs[i - 1]['run']}" / "final")
         assert flag(cmd, "--init-from") == previous
+    evaluation = eval_command("none", STATE / "none-last" / "final", Path("out"))
+    assert evaluation[1:4] == ["-m", "hf_dspark.cli", "eval"] and flag(evaluation, "--verify-mode") == "fixed"
+    assert flag(evaluation, "--dtype") == "float32" and flag(evaluation, "--limit") == "30"
+    assert evaluation[evaluation.index("--draft") + 1 : evaluation.index("--out")] == [
+        f"shipped={SHIPPED}",
+        f"none={STATE / 'none-last' / 'final'}",
+    ]
