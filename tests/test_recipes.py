@@ -311,7 +311,8 @@ def test_row_fractions_are_nested_proportional_and_recorded(tmp_path):
 
 def test_the_ablation_replays_every_shipped_run_with_the_other_head():
     """recipes/smollm2_ablation.py: one training command per run of the shipped draft's history, the same budget
-    and data (rows, steps, anchors, lr, seed, layers, loss), the other head, each a warm restart of the one before."""
+    and data (rows, steps, anchors, lr, seed, layers, loss), the other head, each a warm restart of the one before;
+    then the issue's eval of the last one beside the shipped draft."""
     from recipes.smollm2_ablation import FIRST_ROWS, SHIPPED, eval_command, replay_commands
     from recipes.smollm2_train import STATE
 
