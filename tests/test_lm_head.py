@@ -98,6 +98,9 @@ def test_verify_head_leaves_wrapped_or_unpaying_heads_alone(transposed, monkeypa
     with verify_head(target):  # the orientation does not pay: the head is still fed one matrix
         assert vars(head)["forward"].func is flat_linear
     assert "forward" not in vars(head)
+    target.to("meta")  # another device: neither the orientation nor the flattening was measured there
+    with verify_head(target):
+        assert "forward" not in vars(head)
 
 
 @pytest.mark.parametrize("pays", [False, True])

@@ -6,7 +6,7 @@ products) is much faster (figures in docs/design.md, "The verify's LM head is ti
 not care, so the choice is measured once per (dtype, shape, threads) on the CPU, never assumed; GPUs keep
 ``F.linear``.
 
-Either way the head sees its input as one contiguous [M, d] matrix. The prefill asks the model for the last
+Either way, on the CPU, the head sees its input as one contiguous [M, d] matrix. The prefill asks the model for the last
 position's logits only (``logits_to_keep=1``), which hands the head a strided slice [R, 1, d] of the prompt's hidden
 states; ``F.linear`` cannot fold that into one GEMM and broadcasts the weight into a batched matmul instead, which
 in bfloat16 on a CPU took 444 ms for 8 rows against 1.8 ms for the same rows copied out (docs/design.md).
@@ -103,13 +103,14 @@ def head_orientation(target) -> str:
 
 @contextlib.contextmanager
 def verify_head(target) -> Iterator[None]:
-    """Within this block, a plain ``nn.Linear`` LM head of the target computes on its input as one contiguous
-    matrix (:func:`flat_linear`), and few-row inputs by :func:`few_rows_linear` where that is the faster
-    orientation here (:func:`head_orientation`); after the block, and for a head someone else wrapped, it is
-    untouched. The decoding loop's forwards and the SPS profile's timed steps run inside it, so the scheduler prices
-    the head the loop uses. Re-entering (or a second thread) while it is routed leaves the route as it is."""
+    """Within this block, a plain ``nn.Linear`` LM head of the target on the CPU computes on its input as one
+    contiguous matrix (:func:`flat_linear`), and few-row inputs by :func:`few_rows_linear` where that is the faster
+    orientation here (:func:`head_orientation`); after the block, on other devices (where neither was measured, and
+    a compiled model would see its head's ``forward`` change), and for a head someone else wrapped, it is untouched.
+    The decoding loop's forwards and the SPS profile's timed steps run inside it, so the scheduler prices the head
+    the loop uses. Re-entering (or a second thread) while it is routed leaves the route as it is."""
     head = plain_linear_head(target)
-    if head is None or _ours(head):  # someone else's head, or already routed
+    if head is None or _ours(head) or head.weight.device.type != "cpu":  # not ours to route, or already routed
         yield
         return
     linear = few_rows_linear if transposed_pays(head.weight) else flat_linear
