@@ -54,6 +54,13 @@ def eval_command(head: str, final: Path, out: Path, shipped: Path = SHIPPED) -> 
             "--draft", f"shipped={shipped}", f"{head}={final}", "--out", str(out)]  # fmt: skip
 
 
+def run_unless(done: bool, cmd: list[str], dry_run: bool) -> None:
+    """Print ``cmd`` (marked done when ``done``) and run it from the repository root unless done or a dry run."""
+    print(("done: " if done else "+ ") + " ".join(cmd), flush=True)
+    if not done and not dry_run:
+        subprocess.run(cmd, check=True, cwd=ROOT)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head", default="none", choices=["markov", "none", "gated", "rnn"])
@@ -63,20 +70,13 @@ def main() -> None:
     ap.add_argument("--eval", type=Path, default=None, help="then evaluate beside the shipped draft into this folder")
     args = ap.parse_args()
     runs = json.loads((args.shipped / "training.json").read_text())["runs"]
-    for cmd in replay_commands(runs, args.head, args.threads):
-        done = (STATE / cmd[cmd.index("--run") + 1] / "final").is_dir()
-        print(("done: " if done else "+ ") + " ".join(cmd), flush=True)
-        if not done and not args.dry_run:
-            subprocess.run(cmd, check=True, cwd=ROOT)
-    last = runs[-1]["run"]
-    final = STATE / f"{args.head}-{last}" / "final"
+    for run, cmd in zip(runs, replay_commands(runs, args.head, args.threads), strict=True):
+        run_unless((STATE / f"{args.head}-{run['run']}" / "final").is_dir(), cmd, args.dry_run)
+    final = STATE / f"{args.head}-{runs[-1]['run']}" / "final"
     print(f"final draft: {final}")
     if args.eval is not None:
         cmd = eval_command(args.head, final, args.eval, args.shipped)
-        done = (args.eval / "eval.json").is_file()
-        print(("done: " if done else "+ ") + " ".join(cmd), flush=True)
-        if not done and not args.dry_run:
-            subprocess.run(cmd, check=True, cwd=ROOT)
+        run_unless((args.eval / "eval.json").is_file(), cmd, args.dry_run)
 
 
 if __name__ == "__main__":
