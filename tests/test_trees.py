@@ -785,15 +785,15 @@ def test_a_narrowed_request_drafts_the_drafts_chain():
         assert narrowed.depths == list(range(1, 6)) and all(narrowed.top) and len(wide) > len(narrowed)
 
 
-def _two_branch_trees(rows: int, branch: float) -> tuple[list[TokenTree], list]:
-    """``rows`` trees with a sure chain (0.9, then 0.9 of that) and a second child at depth 1 worth ``branch``."""
+def _two_branch_trees(rows: int, branch: float, sure: float = 0.9) -> tuple[list[TokenTree], list]:
+    """``rows`` trees with a chain (``sure``, then ``sure`` of that) and a second child at depth 1 worth ``branch``."""
     from hf_dspark.decoding.proposers import TreeRequest
 
     trees, requests = [], []
     for r in range(rows):
         tree = TokenTree()
-        node = tree.add(-1, 10 + r, 0.9, "draft", top=True)
-        tree.add(node, 30 + r, 0.9, "draft", top=True)
+        node = tree.add(-1, 10 + r, sure, "draft", top=True)
+        tree.add(node, 30 + r, sure, "draft", top=True)
         tree.add(-1, 20 + r, branch, "draft")
         trees.append(tree)
         requests.append(TreeRequest(r, torch.tensor([5]), torch.tensor(1), 4, 8, LogitsProcessorList()))
@@ -829,13 +829,47 @@ def test_a_round_whose_chain_beats_its_tree_narrows_the_next_rounds():
     assert [r.top_k for r in narrowed] == [1] * 4 and all(r.draft for r in narrowed)
     assert schedule.round_drafting == 0.01
     schedule.select(*_two_branch_trees(4, 0.05), 4)  # the narrowed round (its tree as drafted is not weighed)
-    assert (schedule.narrow, schedule.narrow_backoff) == (0, 1) and schedule.round_drafting == 0.03
+    assert (schedule.narrow, schedule.narrow_backoff) == (0, 1)
     assert [r.top_k for r in schedule.requests(state, 100, LogitsProcessorList())] == [None] * 4
+    assert schedule.round_drafting == 0.03
     schedule.select(*_two_branch_trees(4, 0.05), 4)  # the chain wins again: twice as long
     assert (schedule.narrow, schedule.narrow_backoff) == (2, 2)
     schedule.narrow, schedule.chain_drafting = 0, 0.03  # a tree round where the chain saves nothing
     schedule.select(*_two_branch_trees(4, 0.6), 4)
     assert (schedule.narrow, schedule.narrow_backoff) == (0, 0)
+
+
+def test_a_round_after_a_back_off_probes_with_the_chain():
+    """A drafted tree round not worth a plain step turns drafting off for a while; the round that then drafts again
+    asks for the chain only, priced at the chain's cost (a probe at a tree's cost is what the back-off saves); a
+    probe that pays resets the back-off, and the round after it drafts the tree again."""
+    from hf_dspark.decoding.config import DecodingConfig
+    from hf_dspark.decoding.loop import TreeSchedule
+    from hf_dspark.scheduling.policy import SPSProfile
+
+    sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))
+    settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
+    schedule = TreeSchedule(settings, 4, [], None, sps=sps, drafting=0.03, chain_drafting=0.01)
+    state = SimpleNamespace(  # what requests() reads of a batch
+        size=4, active=[0, 1, 2, 3], history=lambda r: torch.tensor([5]), anchor_positions=torch.ones(4, dtype=int),
+        room=lambda limit, max_length: [4] * 4,
+    )  # fmt: skip
+
+    def top_ks():
+        return [(r.draft, r.top_k) for r in schedule.requests(state, 100, LogitsProcessorList())]
+
+    assert top_ks() == [(True, None)] * 4 and schedule.round_drafting == 0.03
+    schedule.select(*_two_branch_trees(4, 0.5, sure=0.02), 4)  # worth more than its chain, less than a plain step
+    assert (schedule.backoff, schedule.skip, schedule.narrow) == (1, 1, 0)
+    assert top_ks() == [(False, None)] * 4
+    assert top_ks() == [(True, 1)] * 4 and schedule.round_drafting == 0.01  # the probe: the chain, at its cost
+    schedule.select(*_two_branch_trees(4, 0.01, sure=0.02), 4)  # it did not pay either: twice as long
+    assert (schedule.backoff, schedule.skip) == (2, 2)
+    assert top_ks() == [(False, None)] * 4 and top_ks() == [(False, None)] * 4
+    assert top_ks() == [(True, 1)] * 4
+    schedule.select(*_two_branch_trees(4, 0.05), 4)  # this probe pays: drafting is back, trees first
+    assert (schedule.backoff, schedule.skip, schedule.narrow) == (0, 0, 0)
+    assert top_ks() == [(True, None)] * 4 and schedule.round_drafting == 0.03
 
 
 def test_narrowed_tree_rounds_decode_exactly_plain_greedy(monkeypatch):

@@ -514,14 +514,15 @@ class TreeSchedule:
     (parents first) while Θ(B) = (R + Σ values) · SPS(R · (1 + B)) rises, stop at the first that does not raise it,
     with the trees' drafting cost added to every step. In a batch the unit of admission is a rank: the verify is
     padded to the widest row, so the B-th best node of every row is admitted together (summed values), as chains
-    admit columns. A drafted round that was not worth a plain step in expectation turns drafting off for
-    ``backoff`` rounds (doubling, as for chains); lookup branches, which cost nothing to draft, are still verified
-    then. A drafted round whose chain alone (the draft's top children, and the lookup branches) at a chain's
-    drafting cost would have been worth more than the tree at a tree's (Θ each, :func:`tree_rate`) narrows the
-    next ``narrow_backoff`` drafted rounds to the chain (doubling up to ``MAX_BACKOFF``, reset by a tree round
-    worth more than its chain): under load a batch's trees shrink to chains, and so does their drafting cost.
-    With measured costs (no ``draft.sps_profile`` set) and ``cost_recalibration``, a drafted round must beat a
-    plain step by the premium the call's own rounds showed (:class:`~hf_dspark.scheduling.costs.ObservedRounds`)."""
+    admit columns. A drafted round that was not worth a plain step in expectation turns drafting off for ``backoff``
+    rounds (doubling, as for chains); lookup branches, which cost nothing to draft, are still verified then, and the
+    round that drafts again probes with the chain at the chain's cost. A drafted round whose chain alone (the
+    draft's top children, and the lookup branches) at a chain's drafting cost would have been worth more than the
+    tree at a tree's (Θ each, :func:`tree_rate`) narrows the next ``narrow_backoff`` drafted rounds to the chain
+    (doubling up to ``MAX_BACKOFF``, reset by a tree round worth more than its chain): under load a batch's trees
+    shrink to chains, and so does their drafting cost. With measured costs (no ``draft.sps_profile`` set) and
+    ``cost_recalibration``, a drafted round must beat a plain step by the premium the call's own rounds showed
+    (:class:`~hf_dspark.scheduling.costs.ObservedRounds`)."""
 
     settings: DecodingConfig
     draft_tokens: int
@@ -535,6 +536,7 @@ class TreeSchedule:
     skip: int = 0
     narrow_backoff: int = 0
     narrow: int = 0  # drafted rounds left that draft the chain instead of the tree
+    chain_round: bool = False  # whether this round drafts the chain only (narrowed, or probing after a back-off)
     observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
 
     @property
@@ -558,15 +560,17 @@ class TreeSchedule:
 
     @property
     def round_drafting(self) -> float:
-        """Seconds this round's drafting costs the batch: the chain's while narrowed, else the tree's."""
-        return self.chain_drafting if self.narrow and self.chain_drafting is not None else self.drafting
+        """Seconds this round's drafting costs the batch: the chain's when it drafts only the chain, else the tree's."""
+        return self.chain_drafting if self.chain_round else self.drafting
 
     def requests(self, state: DecodeState, max_length: int, processors) -> list[TreeRequest]:
         """One request per generating row."""
         room = state.room(max(self.draft_tokens, self.lookup.max_tokens if self.lookup else 0), max_length)
         draft = not self.skip
         self.skip = max(self.skip - 1, 0)
-        top_k = 1 if draft and self.narrow else None
+        # a round after a back-off probes whether drafting pays again: with the chain, at the chain's cost
+        self.chain_round = draft and bool(self.narrow or self.backoff) and self.chain_drafting is not None
+        top_k = 1 if self.chain_round else None
         # one generating row's choice is its own tree's (a batch's sums every row's, known only once all are drafted);
         # merged lookup nodes join after the draft's, so its expansion cannot know the choice before they do
         early = len(state.active) == 1 and not (self.settings.tree_lookup_merge and self.lookup is not None)
@@ -621,8 +625,8 @@ class TreeSchedule:
                 drafting = self.round_drafting if drafted else 0.0
                 self.observed.expect(drafted, 1 / self.sps(rows * (1 + count)) + drafting)
             if drafted:  # back off when this drafted round is not worth a plain step in expectation
-                if self.narrow:
-                    self.narrow -= 1
+                if self.chain_round:  # nothing to weigh: it drafted no branches
+                    self.narrow = max(self.narrow - 1, 0)
                 elif self.chain_drafting is not None:
                     pays = self.weigh_chain(trees, ranked, summed, count, rows, len(requests)) or pays
                 self.backoff = 0 if pays else min(2 * self.backoff or 1, MAX_BACKOFF)
