@@ -72,7 +72,8 @@ def _run_weights(target, tokenizer, run: Path, head: str, checkpoint: int | None
     state = {k.removeprefix("draft."): v for k, v in load_file(ckpts[-1] / "model.safetensors").items()}
     exportable = any(k.endswith("q_norm.weight") for k in state)
     mask_token = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if exportable else None
-    draft = build_draft(target, head, mask_token, read_recipe(run).get("layers", 2))
+    recipe = read_recipe(run)
+    draft = build_draft(target, head, mask_token, recipe.get("layers", 2), recipe.get("head_rank", 64))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not k.startswith("target")]:
         raise SystemExit(f"checkpoint does not match the recipe: missing {missing}, unexpected {unexpected}")
@@ -108,11 +109,13 @@ def run_history(run: Path) -> list[dict]:
 
 def recorded_data(recipe: dict) -> dict:
     """What a run's ``recipe.json`` says it trained on and with: answer rows (None if not kept), draft layers (2
-    if not kept), ``row_fraction`` when it trained on a subset, and ``references`` when it read the reference
-    answers too."""
+    if not kept), ``row_fraction`` when it trained on a subset, ``head_rank`` when not 64, and ``references`` when it
+    read the reference answers too."""
     data = {"rows": recipe.get("rows"), "layers": recipe.get("layers", 2)}
     if recipe.get("row_fraction", 1.0) != 1.0:
         data["row_fraction"] = recipe["row_fraction"]
+    if recipe.get("head_rank", 64) != 64:
+        data["head_rank"] = recipe["head_rank"]
     return {**data, "references": True} if recipe.get("references") else data
 
 
@@ -155,6 +158,8 @@ def train_command(head: str, chain: list[dict]) -> str:
             cmd += f" --lr {r['lr']:g}"
         if r.get("layers_lr_scale", 1.0) != 1.0:
             cmd += f" --layers-lr {r['layers_lr_scale']:g}"
+        if r.get("head_rank", 64) != 64:
+            cmd += f" --head-rank {r['head_rank']}"
         if r["seed"]:
             cmd += f" --seed {r['seed']}"
         if r.get("rows"):

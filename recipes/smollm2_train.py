@@ -71,14 +71,16 @@ def recipe_references(tokenizer, answers: Path = REFERENCES) -> list[dict]:
 MASK_TOKEN = "<empty_output>"  # a SmolLM2 special token that neither prompts nor regenerated answers contain
 
 
-def build_draft(target, head: str, mask_token_id: int | None = None, layers: int = 2) -> DSparkDraftModel:
+def build_draft(
+    target, head: str, mask_token_id: int | None = None, layers: int = 2, rank: int = 64
+) -> DSparkDraftModel:
     """The recipe's draft: ``layers`` layers (2 unless ``--layers``) initialised from the target's top layers,
-    γ = 8, rank-64 head; with a ``mask_token_id``, the speculators-exportable layout (q/k norms, mask slots
-    embedding that token)."""
+    γ = 8, a rank-``rank`` head (64 unless ``--head-rank``); with a ``mask_token_id``, the speculators-exportable
+    layout (q/k norms, mask slots embedding that token)."""
     torch.manual_seed(0)
     layout = {} if mask_token_id is None else {"qk_norm": True, "mask_token_id": mask_token_id}
     return DSparkDraftModel.from_target(
-        target, block_size=8, num_draft_layers=layers, head_type=head, head_rank=64, copy_target_layers=True, **layout
+        target, block_size=8, num_draft_layers=layers, head_type=head, head_rank=rank, copy_target_layers=True, **layout
     )
 
 
@@ -98,7 +100,12 @@ def start_from(draft: DSparkDraftModel, finished: Path) -> torch.Tensor | None:
     A ``draft`` with more layers than the finished one grows it (``--layers 3`` from a 2-layer draft): the finished
     layers become the top ones, and each added bottom layer keeps its copy of the target's layer but starts with
     zero output projections (``o_proj``, ``down_proj``), a residual no-op, so the grown draft starts out computing
-    exactly what the finished one did and training adds what the extra layer brings."""
+    exactly what the finished one did and training adds what the extra layer brings.
+
+    A ``draft`` whose sequential head has a higher rank grows it the same way (``--head-rank 256`` from a rank-64
+    draft): the finished W1 columns come first and the added ones keep ``draft``'s initialisation, while W2's added
+    columns and the confidence head's weights on the added features start at zero, so the bias B = W1[x]·W2ᵀ and
+    the confidences start out unchanged."""
     done = DSparkDraftModel.from_pretrained(finished)
     vocab = None if done.draft_vocab is None else done.draft_vocab.clone()
     done.set_draft_vocab(None)
@@ -116,8 +123,33 @@ def start_from(draft: DSparkDraftModel, finished: Path) -> torch.Tensor | None:
         for key, value in layer.state_dict().items():
             silent = key.startswith(("self_attn.o_proj.", "mlp.down_proj."))
             state[f"layers.{index}.{key}"] = torch.zeros_like(value) if silent else value
+    for key, value in grown_rank(state, draft.state_dict()).items():
+        state[key] = value
     draft.load_state_dict(state, strict=True)
     return vocab
+
+
+RANKED = {  # the head's weights whose last dimension counts the rank: whether added columns start at zero
+    "sequential_head.markov_w1.weight": False,
+    "sequential_head.markov_w2.weight": True,
+    "confidence.confidence_head.weight": True,  # [1, hidden + rank]: h_k's weights first, then W1[x]'s
+}
+
+
+def grown_rank(finished: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rank-dependent weights of a ``finished`` state dict grown to the ``fresh`` draft's higher rank (see
+    :func:`start_from`): the finished values in the leading columns, the added columns zero or (W1) ``fresh``'s."""
+    grown = {}
+    for key, zero in RANKED.items():
+        if key not in finished or finished[key].shape == fresh[key].shape:
+            continue
+        have, want = finished[key].shape, fresh[key].shape
+        if have[:-1] != want[:-1] or have[-1] > want[-1]:
+            raise ValueError(f"{key}: a finished draft's {tuple(have)} cannot start a run of shape {tuple(want)}")
+        value = torch.zeros_like(fresh[key]) if zero else fresh[key].clone()
+        value[..., : have[-1]] = finished[key]
+        grown[key] = value
+    return grown
 
 
 def recipe_loss(ce: float = 1.0, kd: float = 0.0, argmax: float = 0.0) -> LossWeights:
@@ -133,7 +165,7 @@ def record_recipe(out: Path, args: argparse.Namespace, rows: int) -> None:
     path = out / "recipe.json"
     if not path.exists():
         keys = ("head", "steps", "anchors", "lr", "seed", "layout", "init_from", "data", "ce", "kd", "argmax", "layers",
-                "references", "layers_lr", "row_fraction")  # fmt: skip
+                "references", "layers_lr", "row_fraction", "head_rank")  # fmt: skip
         recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}
         if recipe.get("references"):  # runs before this rule fitted CE to the reference text's own tokens
             recipe["reference_labels"] = "target distribution"
@@ -190,6 +222,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--anchors", type=int, default=48, help="anchor blocks per sequence")
     ap.add_argument("--layers", type=int, default=2, help="draft layers (copies of the target's top layers)")
+    ap.add_argument("--head-rank", type=int, default=64, help="the sequential head's rank (grown from --init-from's)")
     ap.add_argument("--milestone-every", type=int, default=0, help="keep every checkpoint at multiples of this")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine to 0.1x)")
@@ -230,7 +263,7 @@ def main() -> None:
     fraction = read_recipe(out).get("row_fraction", args.row_fraction)  # a resume keeps its first start's
     rows = training_rows(answers + references, fraction)
     mask_token = spare_token(tokenizer, rows) if args.layout == "speculators" else None
-    draft = build_draft(target, args.head, mask_token, args.layers)
+    draft = build_draft(target, args.head, mask_token, args.layers, read_recipe(out).get("head_rank", args.head_rank))
     init_vocab = None if args.init_from is None else start_from(draft, args.init_from)
     cfg = TrainConfig(
         steps=args.steps,

@@ -97,6 +97,39 @@ def test_a_deeper_run_grows_a_finished_draft_and_starts_out_computing_the_same(t
         start_from(build_draft(target, "markov", mask_token_id=7), tmp_path / "deeper")
 
 
+def test_a_higher_rank_run_grows_the_head_and_starts_out_computing_the_same(tmp_path):
+    """--head-rank 16 --init-from a rank-8 draft: W1's leading columns are the finished ones, the added W2 columns
+    and the confidence head's weights on the added features are zero, so every bias and confidence starts out as
+    the finished draft's; a lower rank is refused by name."""
+    target = tiny_target("llama", vocab_size=96)
+    finished = build_draft(target, "markov", mask_token_id=7, rank=8)
+    with torch.no_grad():
+        for p in finished.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    finished.save_pretrained(tmp_path / "final")
+
+    grown = build_draft(target, "markov", mask_token_id=7, rank=16)
+    start_from(grown, tmp_path / "final")
+    w1 = grown.sequential_head.markov_w1.weight
+    assert w1.shape == (96, 16) and torch.equal(w1[:, :8], finished.sequential_head.markov_w1.weight)
+    assert w1[:, 8:].abs().sum() > 0  # the added columns carry a signal for W2's to learn from
+    assert torch.equal(grown.sequential_head.markov_w2.weight[:, 8:], torch.zeros(96, 8))
+
+    torch.manual_seed(2)
+    prev, h = torch.randint(0, 96, (5,)), torch.randn(5, target.config.hidden_size)
+    with torch.no_grad():
+        want_bias, want_feature, _ = finished.sequential_head.step(prev, h)
+        got_bias, got_feature, _ = grown.sequential_head.step(prev, h)
+        torch.testing.assert_close(got_bias, want_bias)
+        want = finished.confidence.logit(h, want_feature)
+        torch.testing.assert_close(grown.confidence.logit(h, got_feature), want)
+    assert want_bias.abs().max() > 0 and want.abs().max() > 0
+
+    with pytest.raises(ValueError, match=r"markov_w1.weight: a finished draft's \(96, 8\) cannot start a run"):
+        start_from(build_draft(target, "markov", mask_token_id=7, rank=4), tmp_path / "final")
+
+
 def write_run(
     state: Path, name: str, steps: int, lr: float, seed: int, init_from: str | None, rows: int = 3000, kd: float = 0
 ) -> Path:
@@ -146,14 +179,14 @@ def test_an_unfinished_run_is_described_by_its_recipe(tmp_path):
     run = tmp_path / "stopped"
     args = argparse.Namespace(
         head="markov", steps=3000, anchors=64, lr=2e-3, seed=5, ce=0.0, kd=1.0, argmax=0.5, init_from=None,
-        references=True, layers_lr=0.1,
+        references=True, layers_lr=0.1, head_rank=256,
     )  # fmt: skip
     run.mkdir()
     record_recipe(run, args, 4200)
     entry = unfinished_run(run, 1200)
     assert train_command("markov", [entry]) == (
         "python -m recipes.smollm2_train --head markov --run stopped --steps 1200 --anchors 64 --lr 0.002"
-        " --layers-lr 0.1 --seed 5 --rows 4200 --references --ce 0 --kd 1 --argmax 0.5"
+        " --layers-lr 0.1 --head-rank 256 --seed 5 --rows 4200 --references --ce 0 --kd 1 --argmax 0.5"
     )
     assert loss_terms(entry) == "0.1 TV + 1.0 confidence BCE + 1.0 KD + 0.5 CE on the target's argmax"
 
