@@ -2,7 +2,7 @@
 regenerated answers, each trained for the same number of passes, then probed on the same held-out answers.
 
     python -m benchmarks.tokens_curve [--fractions 0.125 0.25 0.5 1] [--epochs 1] [--layers 2] [--rows 13773]
-                                      [--head markov|none]
+                                      [--head markov|none] [--head-rank 64]
 
 Every arm is ``recipes/smollm2_train.py --row-fraction F --steps <passes x its rows>`` (one sequence a step), so the
 compute grows with the data, as it would for more text seen the same number of times. Each is measured with
@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--head", default="markov", choices=["markov", "none"],
                     help="the sequential head; none is the ablation at the same budget")  # fmt: skip
+    ap.add_argument("--head-rank", type=int, default=64, help="the sequential head's rank (the paper's: 256)")
     ap.add_argument("--prefix", default="tokens")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "training" / "tokens_curve")
     args = ap.parse_args()
@@ -79,6 +80,7 @@ def main() -> None:
         raise SystemExit(f"only {len(answers)} answer rows here, {args.rows} asked for")
     points = []
     head = "" if args.head == "markov" else f"-{args.head}"  # the markov arms keep their first names
+    head += "" if args.head_rank == 64 else f"-r{args.head_rank}"
     for fraction in sorted(args.fractions):
         rows = training_rows(answers, fraction)
         steps = math.ceil(args.epochs * len(rows))
@@ -87,7 +89,7 @@ def main() -> None:
             run([sys.executable, "-m", "recipes.smollm2_train", "--run", name, "--rows", str(args.rows),
                  "--row-fraction", str(fraction), "--steps", str(steps), "--layers", str(args.layers),
                  "--anchors", str(args.anchors), "--lr", str(args.lr), "--threads", str(args.threads),
-                 "--head", args.head])  # fmt: skip
+                 "--head", args.head, "--head-rank", str(args.head_rank)])  # fmt: skip
         probe_path = args.out / f"slot_probe_{name}.json"
         if not probe_path.is_file():
             run([sys.executable, "-m", "benchmarks.slot_probe", "--run", name, "--rows", "40",

@@ -3,9 +3,10 @@
     python -m recipes.smollm2_ablation [--head none] [--threads 2] [--dry-run] [--eval OUT]
 
 Reads the shipped draft's ``training.json`` ``runs`` (oldest first) and trains each again with ``--head`` in its
-place, under the run name ``<head>-<run>``: the same steps, anchors, learning rate, seed, rows and layers, each run a
-warm restart from the previous one's ``final`` (growing to 3 and 4 layers where the shipped chain grew). Resumable:
-finished runs are skipped and an unfinished one resumes, so run the same command again after an interruption.
+place, under the run name ``<head>-<run>``: the same steps, anchors, learning rate, seed, rows, layers and head rank,
+each run a warm restart from the previous one's ``final`` (growing to 3 and 4 layers where the shipped chain grew).
+Resumable: finished runs are skipped and an unfinished one resumes, so run the same command again after an
+interruption.
 With ``--eval OUT``, the finished draft is then evaluated beside the shipped one (:func:`eval_command`: draft alone,
 fixed γ = 8, greedy, float32, 30 prompts of humaneval / gsm8k / mt-bench, the issue's setting) into ``OUT``, unless
 ``OUT/eval.json`` is there already.
@@ -38,7 +39,8 @@ def replay_commands(runs: list[dict], head: str, threads: int, first_rows: int =
                "--steps", str(run["steps"]), "--anchors", str(run["anchors"]), "--lr", str(run["lr"]),
                "--seed", str(run["seed"]), "--rows", str(run["rows"] or first_rows), "--layers", str(run["layers"]),
                "--ce", str(weights["ce"]), "--kd", str(weights.get("kd", 0.0)),
-               "--argmax", str(weights.get("argmax", 0.0)), "--threads", str(threads)]  # fmt: skip
+               "--argmax", str(weights.get("argmax", 0.0)), "--head-rank", str(run.get("head_rank", 64)),
+               "--threads", str(threads)]  # fmt: skip
         if previous is not None:
             cmd += ["--init-from", str(STATE / previous / "final")]
         commands.append(cmd)

@@ -362,6 +362,7 @@ def test_the_ablation_replays_every_shipped_run_with_the_other_head():
             assert flag(cmd, f"--{name}") == str(run[name])
         assert flag(cmd, "--rows") == str(run["rows"] or FIRST_ROWS)
         assert flag(cmd, "--ce") == str(run["loss_weights"]["ce"])
+        assert flag(cmd, "--head-rank") == str(run.get("head_rank", 64))
         previous = None if i == 0 else str(STATE / f"none-{runs[i - 1]['run']}" / "final")
         assert flag(cmd, "--init-from") == previous
     evaluation = eval_command("none", STATE / "none-last" / "final", Path("out"))
