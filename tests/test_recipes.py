@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_dspark import DSparkDraftModel
 from hf_dspark.testing import tiny_target
 from recipes.smollm2_ship import load_run, loss_terms, run_history, train_command, unfinished_run
 from recipes.smollm2_train import build_draft, in_fraction, is_held_out, record_recipe, run_rows, start_from
@@ -61,16 +62,23 @@ def test_a_new_run_starts_from_a_draft_storing_draft_vocabulary_rows(tmp_path):
     assert fresh.state_dict()[w2].count_nonzero(dim=1).gt(0).sum() == len(vocab)
 
 
-def test_a_deeper_run_grows_a_finished_draft_and_starts_out_computing_the_same(tmp_path):
-    """--layers 3 --init-from a 2-layer draft: the finished layers on top, the added bottom layer a residual no-op
-    (zero output projections, the target's weights elsewhere), so the first step starts from the finished draft."""
-    target = tiny_target("llama", vocab_size=96)
-    finished = build_draft(target, "markov", mask_token_id=7)
+def _finished_draft(target, folder: Path, **recipe) -> DSparkDraftModel:
+    """The recipe's draft (``build_draft`` with ``recipe``) with its trainable weights moved off their
+    initialisation, saved to ``folder``: a stand-in for a finished run."""
+    finished = build_draft(target, "markov", mask_token_id=7, **recipe)
     with torch.no_grad():
         for p in finished.parameters():
             if p.requires_grad:
                 p.add_(0.1 * torch.randn_like(p))
-    finished.save_pretrained(tmp_path / "final")
+    finished.save_pretrained(folder)
+    return finished
+
+
+def test_a_deeper_run_grows_a_finished_draft_and_starts_out_computing_the_same(tmp_path):
+    """--layers 3 --init-from a 2-layer draft: the finished layers on top, the added bottom layer a residual no-op
+    (zero output projections, the target's weights elsewhere), so the first step starts from the finished draft."""
+    target = tiny_target("llama", vocab_size=96)
+    finished = _finished_draft(target, tmp_path / "final")
 
     grown = build_draft(target, "markov", mask_token_id=7, layers=3)
     copied_from_target = {k: v.clone() for k, v in grown.layers[0].state_dict().items()}
@@ -102,12 +110,7 @@ def test_a_higher_rank_run_grows_the_head_and_starts_out_computing_the_same(tmp_
     and the confidence head's weights on the added features are zero, so every bias and confidence starts out as
     the finished draft's; a lower rank is refused by name."""
     target = tiny_target("llama", vocab_size=96)
-    finished = build_draft(target, "markov", mask_token_id=7, rank=8)
-    with torch.no_grad():
-        for p in finished.parameters():
-            if p.requires_grad:
-                p.add_(0.1 * torch.randn_like(p))
-    finished.save_pretrained(tmp_path / "final")
+    finished = _finished_draft(target, tmp_path / "final", rank=8)
 
     grown = build_draft(target, "markov", mask_token_id=7, rank=16)
     start_from(grown, tmp_path / "final")
