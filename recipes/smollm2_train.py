@@ -123,8 +123,7 @@ def start_from(draft: DSparkDraftModel, finished: Path) -> torch.Tensor | None:
         for key, value in layer.state_dict().items():
             silent = key.startswith(("self_attn.o_proj.", "mlp.down_proj."))
             state[f"layers.{index}.{key}"] = torch.zeros_like(value) if silent else value
-    for key, value in grown_rank(state, draft.state_dict()).items():
-        state[key] = value
+    state.update(grown_rank(state, draft.state_dict()))
     draft.load_state_dict(state, strict=True)
     return vocab
 
@@ -259,11 +258,12 @@ def main() -> None:
     out = STATE / (args.run or f"run-{args.head}" + ("-speculators" if args.layout == "speculators" else ""))
     answers = run_rows(out, load_dataset(args.data), args.rows)
     target, tokenizer = load_target()
-    references = recipe_references(tokenizer) if read_recipe(out).get("references", args.references) else []
-    fraction = read_recipe(out).get("row_fraction", args.row_fraction)  # a resume keeps its first start's
+    first = read_recipe(out)  # a resume keeps its first start's data and head
+    references = recipe_references(tokenizer) if first.get("references", args.references) else []
+    fraction = first.get("row_fraction", args.row_fraction)
     rows = training_rows(answers + references, fraction)
     mask_token = spare_token(tokenizer, rows) if args.layout == "speculators" else None
-    draft = build_draft(target, args.head, mask_token, args.layers, read_recipe(out).get("head_rank", args.head_rank))
+    draft = build_draft(target, args.head, mask_token, args.layers, first.get("head_rank", args.head_rank))
     init_vocab = None if args.init_from is None else start_from(draft, args.init_from)
     cfg = TrainConfig(
         steps=args.steps,
