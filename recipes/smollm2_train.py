@@ -138,6 +138,12 @@ RANKED = {  # the head's weights whose last dimension counts the rank: whether a
 def grown_rank(finished: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The rank-dependent weights of a ``finished`` state dict grown to the ``fresh`` draft's higher rank (see
     :func:`start_from`): the finished values in the leading columns, the added columns zero or (W1) ``fresh``'s."""
+    for key in finished.keys() & fresh.keys():
+        if key.startswith("sequential_head.") and key not in RANKED and finished[key].shape != fresh[key].shape:
+            raise ValueError(
+                f"{key}: a finished draft's {tuple(finished[key].shape)} against {tuple(fresh[key].shape)}: a higher "
+                "--head-rank grows only the Markov head (W1, W2, the confidence weights); restart this head at its rank"
+            )
     grown = {}
     for key, zero in RANKED.items():
         if key not in finished or finished[key].shape == fresh[key].shape:

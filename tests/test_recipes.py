@@ -62,10 +62,10 @@ def test_a_new_run_starts_from_a_draft_storing_draft_vocabulary_rows(tmp_path):
     assert fresh.state_dict()[w2].count_nonzero(dim=1).gt(0).sum() == len(vocab)
 
 
-def _finished_draft(target, folder: Path, **recipe) -> DSparkDraftModel:
-    """The recipe's draft (``build_draft`` with ``recipe``) with its trainable weights moved off their
+def _finished_draft(target, folder: Path, head: str = "markov", **recipe) -> DSparkDraftModel:
+    """The recipe's draft (``build_draft`` with ``head`` and ``recipe``) with its trainable weights moved off their
     initialisation, saved to ``folder``: a stand-in for a finished run."""
-    finished = build_draft(target, "markov", mask_token_id=7, **recipe)
+    finished = build_draft(target, head, mask_token_id=7, **recipe)
     with torch.no_grad():
         for p in finished.parameters():
             if p.requires_grad:
@@ -131,6 +131,17 @@ def test_a_higher_rank_run_grows_the_head_and_starts_out_computing_the_same(tmp_
 
     with pytest.raises(ValueError, match=r"markov_w1.weight: a finished draft's \(96, 8\) cannot start a run"):
         start_from(build_draft(target, "markov", mask_token_id=7, rank=4), tmp_path / "final")
+
+
+@pytest.mark.parametrize("head", ["gated", "rnn"])
+def test_a_higher_rank_run_of_another_head_is_refused_by_name(tmp_path, head):
+    """Only the Markov head's rank grows: a gated or RNN head's rank-shaped weights (gate, recurrent cell) are
+    refused naming the weight, before anything is loaded."""
+    target = tiny_target("llama", vocab_size=96)
+    _finished_draft(target, tmp_path / "final", head, rank=8)
+    weight = {"gated": "gate_proj", "rnn": "rnn_cell"}[head]
+    with pytest.raises(ValueError, match=rf"sequential_head\.{weight}\.(weight|bias): .* grows only the Markov head"):
+        start_from(build_draft(target, head, mask_token_id=7, rank=16), tmp_path / "final")
 
 
 def write_run(
