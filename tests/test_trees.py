@@ -423,6 +423,26 @@ def test_the_scheduler_prices_drafting_only_for_rows_that_drafted(monkeypatch):
     assert charged[-1] == 0.0 and schedule.backoff == 1  # nothing drafted: no cost, the back-off stays
 
 
+def test_one_rows_lookup_continuation_alone_is_verified_whole():
+    """A round whose one row's tree is a lookup continuation alone (nothing drafted) verifies all of it, as the chain
+    route verifies a looked-up continuation, where Algorithm 1 over the per-token lookup rate would cut it; a drafted
+    tree and a batch's lookups keep the scheduler's count."""
+    from hf_dspark.decoding import loop
+    from hf_dspark.decoding.config import DecodingConfig
+    from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.scheduling.policy import SPSProfile
+
+    steep = SPSProfile.from_callable(lambda B: 1 / (1 + 0.5 * (B - 1)))  # each slot adds half a plain step
+    schedule = loop.TreeSchedule(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 8, [], None, sps=steep)
+    request = TreeRequest(0, torch.tensor([1, 2]), torch.tensor(2), 8, 8, LogitsProcessorList())
+    looked_up, drafted = TokenTree(), TokenTree()
+    looked_up.add_path([7, 8, 9, 10, 11], [0.3] * 5, "lookup")
+    drafted.add_path([7, 8, 9, 10, 11], [0.3] * 5, "draft")
+    assert [len(nodes) for nodes in schedule.select([looked_up], [request], 1)] == [5]
+    assert schedule.select([drafted], [request], 1) == [[]]  # 0.3 a node does not pay half a step
+    assert schedule.select([looked_up, looked_up], [request, request], 2) == [[], []]
+
+
 def test_sliding_window_targets_verify_chains_and_say_so():
     config = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=6, pad_token_id=0)  # fmt: skip
