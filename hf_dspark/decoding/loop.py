@@ -619,12 +619,13 @@ class TreeSchedule:
         if self.priced:
             summed = _rank_sums(values)
             drafted = any(tree.drafted for tree in trees)
-            count, pays = self.count(summed, rows, len(requests), drafted)
-            if len(trees) == 1 and not drafted and len(trees[0]):
-                # one row's lookup continuation alone verifies whole, as the chain route verifies it: lookups come
-                # right in bursts, so a depth's acceptance given its parent's outruns the call's per-token rate that
-                # values them (6 float32 humaneval prompts: 1.6 of 8 nodes verified, against 3.0 accepted whole)
-                count = len(ranked[0])
+            if len(trees) == 1 and not drafted:
+                # one row's lookup continuation alone (or nothing) verifies whole, as the chain route verifies it:
+                # lookups come right in bursts, so a depth's acceptance given its parent's outruns the call's per-token
+                # rate that values them (6 float32 humaneval prompts: 1.6 of 8 nodes verified, 3.0 accepted whole)
+                count, pays = len(ranked[0]), False  # `pays` is read only after a drafted round
+            else:
+                count, pays = self.count(summed, rows, len(requests), drafted)
             counts = [count] * len(ranked)
             if self.observed is not None:
                 drafting = self.round_drafting if drafted else 0.0
