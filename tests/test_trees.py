@@ -399,6 +399,12 @@ def test_a_row_with_a_lookup_continuation_is_drafted_only_when_merging(monkeypat
     assert {"draft"} in kinds  # and some round drafted without one
     assert ({"lookup", "draft"} in kinds) == merge
     assert ({"lookup"} in kinds) == (not merge)
+    # a round counts as looked up when it verified a lookup branch, accepted or not, as the chain route counts it
+    verified = draft.stats.looked_up
+    assert len(verified) == len(trees)
+    if not merge:  # a lone row's lookup-only tree is verified whole
+        assert verified == [len(tree) > 0 and "lookup" in set().union(*tree.sources) for tree in trees]
+    assert any(verified) and not all(verified)
 
 
 def test_the_scheduler_prices_drafting_only_for_rows_that_drafted(monkeypatch):

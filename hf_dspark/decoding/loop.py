@@ -326,8 +326,25 @@ def row_proposals(
     return rows
 
 
+class PricedRounds:
+    """What the chain and tree schedules share: whether the call's mode prices its rounds, and each round's wall time
+    against its price (``observed``: :class:`~hf_dspark.scheduling.costs.ObservedRounds`, with measured costs)."""
+
+    settings: DecodingConfig
+    observed: ObservedRounds | None
+
+    @property
+    def priced(self) -> bool:
+        return self.settings.priced
+
+    def time_round(self, seconds: float) -> None:
+        """A round just ran in ``seconds``: what it cost against its price (the premium a drafted round must pay)."""
+        if self.observed is not None:
+            self.observed.finish(seconds)
+
+
 @dataclass
-class Schedule:
+class Schedule(PricedRounds):
     """How many draft tokens each row verifies, round after round (``settings.verify_mode``), and when not to draft.
 
     When a drafted round was not worth its cost in expectation (:func:`drafting_pays`: the tokens its plan expected
@@ -352,10 +369,6 @@ class Schedule:
         if self.priced and self.settings.confidence_recalibration:
             self.recalibration = AcceptanceRecalibration(self.draft_tokens)
 
-    @property
-    def priced(self) -> bool:
-        return self.settings.priced
-
     def price(self, draft, target, rows: int, do_sample: bool) -> None:
         """Price rounds of ``rows`` batch rows; with measured costs (no ``draft.sps_profile``) and
         ``cost_recalibration``, also time the call's rounds against those prices
@@ -364,11 +377,6 @@ class Schedule:
         if self.priced:
             self.sps, self.drafting, self.planning = round_prices(draft, target, rows, do_sample)
             self.observed = observed_rounds(self.observed, draft, self.settings.cost_recalibration)
-
-    def time_round(self, seconds: float) -> None:
-        """A round just ran in ``seconds``: what it cost against its price (the premium a drafted round must pay)."""
-        if self.observed is not None:
-            self.observed.finish(seconds)
 
     def plan(self, state: DecodeState, max_length: int) -> RoundPlan:
         s = self.settings
@@ -505,7 +513,7 @@ def accept(
 
 
 @dataclass
-class TreeSchedule:
+class TreeSchedule(PricedRounds):
     """Token-tree rounds (``settings.tree_top_k`` > 1), each row its own tree: the proposers, how many nodes a row
     verifies per round (``verify_limit``, ``None``: γ · ``tree_top_k``), and when not to draft.
 
@@ -543,10 +551,6 @@ class TreeSchedule:
     def budget(self) -> int:
         s = self.settings
         return s.verify_limit if s.verify_limit is not None else self.draft_tokens * s.tree_top_k
-
-    @property
-    def priced(self) -> bool:
-        return self.settings.priced
 
     def price(self, draft, target, rows: int) -> None:
         """Price verifies of ``rows`` batch rows up to the node budget, and a round of tree drafting for them (the
@@ -667,8 +671,6 @@ class TreeSchedule:
             self.narrow_backoff = 0
         return chain_pays
 
-    time_round = Schedule.time_round
-
     def count_at(self, values: list[float], rows: int, generating: int, drafting: float) -> tuple[int, bool]:
         """:meth:`count` for a priced round drafted at ``drafting`` seconds; whether it pays is judged against a
         plain step by the premium the call's rounds showed (1 before any, or with a profile the user set)."""
@@ -766,7 +768,7 @@ def tree_round(state: DecodeState, schedule: TreeSchedule, target, cache, tap, r
         new = torch.cat([tokens[r, result.slots], result.next_token[None]])
         committed = state.commit(r, new, result.scores, rules.stopping)
         edges = schedule.observe(v, result.slots)
-        looked_up = any("lookup" in v.tree.sources[v.nodes[s - 1]] for s in result.slots)
+        looked_up = any("lookup" in v.tree.sources[node] for node in v.nodes)  # verified, as the chain route counts
         outputs.stats.record(v.size, n, committed, None, looked_up, v.depth(), edges)
         if outputs.wanted:
             outputs.emit(new[:committed], result.scores, raw[r, [0, *result.slots]])

@@ -16,8 +16,9 @@ class DSparkStats:
     In a batch, every active row's verification in a round is one entry; ``verify_rounds`` keeps the verify
     lengths the scheduler chose per round (one list per round, one entry per active row) and ``round_rows`` the
     batch indices of those rows (rows leave the batch when they finish). ``looked_up[i]`` says whether entry i
-    verified a lookup continuation (``DecodingConfig.lookup_max_ngram``) rather than the draft's block; τ and the
-    per-position acceptance count both kinds.
+    verified a lookup continuation (``DecodingConfig.lookup_max_ngram``) rather than the draft's block (for a tree:
+    whether any verified node came from a lookup, accepted or not); τ and the per-position acceptance count both
+    kinds.
 
     Token trees (``tree_top_k`` > 1): ``proposed[i]`` counts the tree's nodes verified, ``depths[i]`` its deepest
     node's depth (a chain's depth is its length), and ``tree_edges[i]`` lists, for each verified node whose parent
