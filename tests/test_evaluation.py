@@ -216,6 +216,40 @@ def test_bench_records_a_baselines_mismatch(dtype):
               progress=False)  # fmt: skip
 
 
+def test_paired_speedup_by_hand():
+    """The geometric mean of per-prompt speedups: a prompt run during a slow spell of the host (both methods slowed)
+    weighs like any other, where the ratio of total times follows the slow prompt."""
+    from hf_dspark.evaluation.bench import paired_speedup
+
+    plain = {"seconds": [1.0, 10.0], "tokens": [10, 10]}
+    assert paired_speedup(plain, {"seconds": [0.5, 5.0], "tokens": [10, 10]}) == pytest.approx(2.0)
+    assert paired_speedup(plain, {"seconds": [0.5, 10.0], "tokens": [10, 10]}) == pytest.approx(2**0.5)  # total: 1.05
+    assert paired_speedup(plain, {"seconds": [0.5, 10.0], "tokens": [10, 20]}) == pytest.approx(2.0)  # per token
+    assert paired_speedup(plain, {"seconds": [0.5, 10.0], "tokens": [10, 0]}) == pytest.approx(2.0)  # no token: out
+    assert paired_speedup({"seconds": [1.0], "tokens": [0]}, {"seconds": [1.0], "tokens": [3]}) is None
+
+
+def test_bench_rows_carry_each_prompts_time_and_the_paired_speedup():
+    from hf_dspark.evaluation.bench import Method, bench, markdown_table, paired_speedup
+
+    target, tokenizer = tiny_target("llama", vocab_size=96), char_tokenizer()
+    plain = Method("plain", lambda ids, **kw: target.generate(ids, **kw))
+    again = Method("again", lambda ids, **kw: target.generate(ids, **kw))
+    result = bench(target, tokenizer, [plain, again], "humaneval", limit=3, max_new_tokens=4, progress=False)
+    rows = {m["method"]: m for m in result["methods"]}
+    for m in rows.values():
+        assert len(m["seconds"]) == len(m["tokens"]) == 3 and all(t == 4 for t in m["tokens"])
+        assert sum(m["tokens"]) / sum(m["seconds"]) == pytest.approx(m["tok_per_s"])
+    assert rows["plain"]["paired_speedup"] == pytest.approx(1.0)
+    assert rows["again"]["paired_speedup"] == pytest.approx(paired_speedup(rows["plain"], rows["again"]))
+    table = markdown_table([result])
+    assert "| speedup vs plain | paired speedup | τ |" in table
+    assert f"| {rows['again']['paired_speedup']:.2f}× | - | 3/3 |" in table
+    for m in result["methods"]:  # a result written before the paired speedup was recorded: no such column
+        del m["paired_speedup"]
+    assert "paired" not in markdown_table([result])
+
+
 def test_tie_check_asks_a_float32_copy_too():
     """A bfloat16 forward can separate two tokens by more than two rounding units that float32 puts within them
     (accumulated rounding over a long context): the float32 copy's verdict counts; without it, or when float32

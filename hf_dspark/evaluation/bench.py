@@ -2,7 +2,9 @@
 
 Every prompt runs every method back to back (A B C … per prompt, the order rotated from prompt to prompt) so
 that drift in machine speed hits all methods alike. Reported: median tokens/s over prompts, total tokens/s, and
-the speedup of each method's total time against plain ``generate``; DSpark methods also report τ.
+the speedup of each method's total time against plain ``generate``, the paired speedup (the geometric mean over
+prompts of each prompt's own speedup: a slow spell of a shared host hits both sides of a pair, where it skews a ratio
+of totals) and each prompt's seconds and new tokens; DSpark methods also report τ.
 
 Greedy outputs of every method are compared with plain greedy. In float32/float64 a mismatch is a bug and stops
 the run. In bfloat16/float16 a forward over several tokens rounds differently from one over a single token, so a
@@ -16,6 +18,7 @@ and the run goes on — it is not ours to fix, and the measurement of every othe
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -137,10 +140,13 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
             "median_tok_per_s": statistics.median(rate),
             "tok_per_s": sum(p["tokens"]) / sum(p["seconds"]),
             "speedup": plain_time / sum(p["seconds"]),
+            "paired_speedup": paired_speedup(per["plain"], p),
             "tau": p["committed"] / p["rounds"] if p["rounds"] else None,
             "lookup_rate": p["looked_up"] / p["rounds"] if p["rounds"] else None,  # rounds that verified a lookup
             "same_as_plain": p["same"],
             "unexplained": p["unexplained"],
+            "seconds": p["seconds"],
+            "tokens": p["tokens"],
         })  # fmt: skip
     return {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "methods": rows,
             **run_context(target)}  # fmt: skip
@@ -162,16 +168,31 @@ def warm_up(target, draft, input_ids: torch.Tensor) -> tuple[str, float, float]:
     return how, t1 - t0, t2 - t1
 
 
+def paired_speedup(plain: dict, method: dict) -> float | None:
+    """The geometric mean over prompts of plain's seconds per new token over the method's, from each one's per-prompt
+    ``seconds`` and ``tokens`` (prompts where either produced no token are left out; ``None`` if none is left).
+    Each prompt's pair ran back to back, so the host's speed at the time cancels in its ratio."""
+    logs = [
+        math.log((ps / pt) / (ms / mt))
+        for ps, pt, ms, mt in zip(plain["seconds"], plain["tokens"], method["seconds"], method["tokens"], strict=True)
+        if pt > 0 and mt > 0
+    ]
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
 def markdown_table(results: list[dict]) -> str:
     """One row per (dataset, method); "= plain" counts prompts whose greedy output equals plain ``generate``'s,
-    with a baseline's mismatches that no tie explains in brackets.
+    with a baseline's mismatches that no tie explains in brackets. The paired speedup is shown when every row has
+    one (results written before it was recorded have none).
     Results merged from several runs (``readme.merge_bench``) get a "run" column: a speedup is always against
     the plain ``generate`` of its own run."""
     runs = any(m.get("run", 1) > 1 for r in results for m in r["methods"])
+    paired = all(m.get("paired_speedup") is not None for r in results for m in r["methods"])  # runs since 12-06
     lines = [
-        "| dataset | method | tok/s (median) | speedup vs plain | τ | = plain |" + (" run |" if runs else ""),
-        "|---|---|---|---|---|---|" + ("---|" if runs else ""),
-    ]
+        "| dataset | method | tok/s (median) | speedup vs plain |" + (" paired speedup |" if paired else "")
+        + " τ | = plain |" + (" run |" if runs else ""),
+        "|---|---|---|---|" + ("---|" if paired else "") + "---|---|" + ("---|" if runs else ""),
+    ]  # fmt: skip
     for r in results:
         for m in r["methods"]:
             tau = "-" if m["tau"] is None else f"{m['tau']:.2f}"
@@ -179,8 +200,10 @@ def markdown_table(results: list[dict]) -> str:
             if m.get("unexplained"):
                 same += f" ({len(m['unexplained'])} no tie)"
             lines.append(
-                f"| {r['dataset']} | {m['method']} | {m['median_tok_per_s']:.1f} | {m['speedup']:.2f}× | {tau} "
-                f"| {same} |" + (f" {m.get('run', 1)} |" if runs else "")
+                f"| {r['dataset']} | {m['method']} | {m['median_tok_per_s']:.1f} | {m['speedup']:.2f}× |"
+                + (f" {m['paired_speedup']:.2f}× |" if paired else "")
+                + f" {tau} | {same} |"
+                + (f" {m.get('run', 1)} |" if runs else "")
             )
     return "\n".join(lines) + "\n"
 
