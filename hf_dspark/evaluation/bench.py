@@ -187,7 +187,7 @@ def markdown_table(results: list[dict]) -> str:
     Results merged from several runs (``readme.merge_bench``) get a "run" column: a speedup is always against
     the plain ``generate`` of its own run."""
     runs = any(m.get("run", 1) > 1 for r in results for m in r["methods"])
-    paired = all(m.get("paired_speedup") is not None for r in results for m in r["methods"])  # runs since 12-06
+    paired = all(m.get("paired_speedup") is not None for r in results for m in r["methods"])
     lines = [
         "| dataset | method | tok/s (median) | speedup vs plain |" + (" paired speedup |" if paired else "")
         + " τ | = plain |" + (" run |" if runs else ""),
