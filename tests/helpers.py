@@ -57,6 +57,7 @@ def sample_counts(target, draft, gen_kwargs, n=SAMPLES, seed=0, custom_generate=
 CASES = {
     "temperature": dict(temperature=0.7, top_k=0, top_p=1.0),
     "top-k-top-p": dict(temperature=1.3, top_k=4, top_p=0.8),
+    "temperature-top-p": dict(temperature=0.7, top_k=0, top_p=0.9),  # the token-tree issue's sampling setting
 }
 
 

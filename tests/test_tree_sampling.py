@@ -41,7 +41,7 @@ def _tree_nodes_taken(draft):
     return draft.seen["accepted"], draft.seen["proposed"]
 
 
-@pytest.mark.parametrize(("case", "top_k"), [("temperature", 2), ("top-k-top-p", 3)])
+@pytest.mark.parametrize(("case", "top_k"), [("temperature", 2), ("top-k-top-p", 3), ("temperature-top-p", 4)])
 def test_tree_sampling_matches_target_distribution(small_target, case, top_k):
     kw = CASES[case]
     draft = _sampling_draft(small_target)
