@@ -3,6 +3,7 @@
     python -m benchmarks.token_trees [--datasets humaneval gsm8k mt-bench] [--limit 30] [--max-new-tokens 96]
         [--top-k 2 4] [--max-nodes 32] [--no-fixed] [--merged] [--threads 2] [--dtype float32]
         [--lookahead] [--pin-costs FILE] [--out benchmarks/results/token_trees]
+        [--tau-only | --sampled-tau [--temperature 0.7] [--top-p 0.9]]
 
 The embedded SmolLM2 target and the shipped draft, greedy, 128 new tokens by default, in float32 by default (forced
 on a CPU with bfloat16 units, so the numbers compare with CPUs without them; ``--dtype bfloat16`` measures where
@@ -23,13 +24,16 @@ prompt by prompt through ``hf-dspark bench``'s loop (every output checked agains
 Also reports the calibration of the trees' node values (expected calibration error over 10 bins, top children and
 the others apart) from ``dspark_stats.tree_edges``. Prints tables and writes ``<out>/token_trees.json``;
 ``--report`` writes ``<out>/token_trees.md`` from it; ``--tau-only`` measures only the draft-alone τ (fixed verify, no
-timing) of the chain and the trees into ``<out>/tau_only.json``.
+timing) of the chain and the trees into ``<out>/tau_only.json``; ``--sampled-tau`` the same τ when sampling
+(``--temperature 0.7 --top-p 0.9`` by default; lookup off; fixed and scheduled verify, each prompt's methods drawn
+from the same seed) into ``<out>/sampled_tau.json`` (exactness is the sampling tests' job: chi-square).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -158,6 +162,51 @@ def tau_only(
     return taus
 
 
+@torch.no_grad()
+def sampled_tau(
+    target, tokenizer, draft, datasets: list[str], limit: int, max_new_tokens: int, top_ks: list[int],
+    max_nodes: int | None, temperature: float, top_p: float, seed: int = 0,
+) -> dict:  # fmt: skip
+    """τ of the chain and each tree (at most ``max_nodes`` nodes, default γ · K) when sampling, fixed and scheduled
+    verify, lookup off: the seed is reset before every call (prompt i: ``seed + i``), so each prompt's methods start
+    from the same random state (their draws part once their verifies do). -> {dataset: {method: {"tau", "wins"}}},
+    ``wins`` counting the prompts whose τ beat the chain's in the same mode."""
+    from hf_dspark.evaluation.evaluate import load_prompts
+
+    gamma, out = draft.config.num_draft_tokens, {}
+    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    for dataset in datasets:
+        counts: dict[str, list[int]] = {}
+        per_prompt: dict[str, list[float]] = {}
+        for i, text in enumerate(load_prompts(dataset, limit)):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_tensors="pt")["input_ids"]  # fmt: skip
+            for mode in ("fixed", "scheduled"):
+                for k in [1, *top_ks]:
+                    name = f"{'chain' if k == 1 else f'tree{k}'}-{mode}"
+                    nodes = gamma if k == 1 else max_nodes or gamma * k
+                    torch.manual_seed(seed + i)
+                    target.generate(ids, custom_generate=hf_dspark.dspark_generate, draft=draft, verify_mode=mode,
+                                    verify_limit=nodes, lookup_max_ngram=0, tree_top_k=k,
+                                    max_new_tokens=max_new_tokens, **sample)  # fmt: skip
+                    c = counts.setdefault(name, [0, 0])
+                    committed, rounds = sum(draft.stats.committed), draft.stats.rounds
+                    c[0], c[1] = c[0] + committed, c[1] + rounds
+                    per_prompt.setdefault(name, []).append(committed / max(rounds, 1))
+        out[dataset] = {
+            name: {
+                "tau": c[0] / c[1],
+                "wins": sum(
+                    t > chain
+                    for t, chain in zip(per_prompt[name], per_prompt[f"chain-{name.split('-')[1]}"], strict=True)
+                ),
+            }
+            for name, c in counts.items()
+        }
+        print(dataset, {name: round(v["tau"], 3) for name, v in out[dataset].items()}, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench"])
@@ -173,6 +222,10 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="only write <out>/token_trees.md from the saved JSON")
     ap.add_argument("--tau-only", action="store_true",
                     help="only τ of the draft alone (fixed), chain vs trees, into <out>/tau_only.json")  # fmt: skip
+    ap.add_argument("--sampled-tau", action="store_true",
+                    help="only τ when sampling, chain vs trees, into <out>/sampled_tau.json")  # fmt: skip
+    ap.add_argument("--temperature", type=float, default=0.7, help="with --sampled-tau")
+    ap.add_argument("--top-p", type=float, default=0.9, help="with --sampled-tau")
     ap.add_argument("--max-nodes", type=int, default=None,
                     help="verify at most this many nodes per tree and round (default: γ · K)")  # fmt: skip
     ap.add_argument("--no-fixed", action="store_true",
@@ -201,6 +254,15 @@ def main() -> None:
                    "max_nodes": args.max_nodes}  # fmt: skip
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tau_only.json").write_text(json.dumps({"setting": setting, "tau": taus}, indent=1))
+        return
+    if args.sampled_tau:
+        taus = sampled_tau(target, tokenizer, draft, args.datasets, args.limit, args.max_new_tokens, args.top_k,
+                           args.max_nodes, args.temperature, args.top_p)  # fmt: skip
+        setting = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+                   "temperature": args.temperature, "top_p": args.top_p, "max_nodes": args.max_nodes,
+                   "lookup": False, "date": time.strftime("%F")}  # fmt: skip
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sampled_tau.json").write_text(json.dumps({"setting": setting, "tau": taus}, indent=1))
         return
     edges: dict[str, list] = {}
     chosen = methods(target, draft, args.top_k, edges, args.max_nodes, fixed=not args.no_fixed, merged=args.merged,
