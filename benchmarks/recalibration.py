@@ -44,7 +44,7 @@ from hf_dspark import DSparkDraftModel
 from hf_dspark.__main__ import SAMPLE_PROMPTS
 from hf_dspark.decoding import loop
 from hf_dspark.embedded import DRAFT_DIR, load_target
-from hf_dspark.evaluation.evaluate import load_prompts
+from hf_dspark.evaluation.evaluate import chat_ids, load_prompts
 from hf_dspark.scheduling.costs import measured_draft_seconds, round_prices
 from hf_dspark.scheduling.policy import SPSProfile
 from hf_dspark.scheduling.recalibration import AcceptanceRecalibration
@@ -94,9 +94,7 @@ def run_set(name, texts, target, tokenizer, draft, variants, sps, draft_s, new) 
     totals = {v: {"priced_s": 0.0, "committed": 0, "rounds": 0} for v in variants}
     plain_s = 0.0
     for i, text in enumerate(texts):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
-        )["input_ids"]
+        ids = chat_ids(tokenizer, text)
         first = None
         for v in variants:
             recalibrate, kwargs = parse_variant(v)

@@ -137,14 +137,13 @@ def tau_only(
     """The draft alone, fixed verify: τ of the chain and of each tree (at most ``max_nodes`` nodes, default γ · K) on
     every prompt (no timing, no plain run; the tree's output must equal the chain's, both being plain greedy's).
     -> {dataset: {method: τ}}."""
-    from hf_dspark.evaluation.evaluate import load_prompts
+    from hf_dspark.evaluation.evaluate import chat_ids, load_prompts
 
     gamma, taus = draft.config.num_draft_tokens, {}
     for dataset in datasets:
         counts = {}
         for text in load_prompts(dataset, limit):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                return_tensors="pt")["input_ids"]  # fmt: skip
+            ids = chat_ids(tokenizer, text)
             outs = {}
             for k in [1, *top_ks]:
                 name = "chain-fixed" if k == 1 else f"tree{k}-fixed"
@@ -171,7 +170,7 @@ def sampled_tau(
     verify, lookup off: the seed is reset before every call (prompt i: ``seed + i``), so each prompt's methods start
     from the same random state (their draws part once their verifies do). -> {dataset: {method: {"tau", "wins"}}},
     ``wins`` counting the prompts whose τ beat the chain's in the same mode."""
-    from hf_dspark.evaluation.evaluate import load_prompts
+    from hf_dspark.evaluation.evaluate import chat_ids, load_prompts
 
     gamma, out = draft.config.num_draft_tokens, {}
     sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
@@ -179,8 +178,7 @@ def sampled_tau(
         counts: dict[str, list[int]] = {}
         per_prompt: dict[str, list[float]] = {}
         for i, text in enumerate(load_prompts(dataset, limit)):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                return_tensors="pt")["input_ids"]  # fmt: skip
+            ids = chat_ids(tokenizer, text)
             for mode in ("fixed", "scheduled"):
                 for k in [1, *top_ks]:
                     name = f"{'chain' if k == 1 else f'tree{k}'}-{mode}"

@@ -29,7 +29,7 @@ import hf_dspark
 from hf_dspark import DSparkDraftModel
 from hf_dspark.decoding import loop
 from hf_dspark.embedded import DRAFT_DIR, load_target
-from hf_dspark.evaluation.evaluate import load_prompts
+from hf_dspark.evaluation.evaluate import chat_ids, load_prompts
 
 from .pinned_costs import pin_costs
 
@@ -97,8 +97,7 @@ def main() -> None:
     for dataset in args.datasets:
         totals = {name: Counter() for name in methods}
         for i, text in enumerate(load_prompts(dataset, args.limit)):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                return_tensors="pt")["input_ids"]  # fmt: skip
+            ids = chat_ids(tokenizer, text)
             names = list(methods)[i % len(methods) :] + list(methods)[: i % len(methods)]
             outs = {}
             for name in names:

@@ -23,6 +23,7 @@ import torch
 
 from . import embedded
 from .evaluation.bench import warm_up
+from .evaluation.evaluate import chat_ids
 from .evaluation.ties import first_divergence, upcast_copy
 from .integration.generate import dspark_generate
 from .model.modeling_dspark import DSparkDraftModel
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     grows = " (growing from γ while lookups are accepted in full)" if settings.lookup_adaptive else ""
     print(f"lookup drafting: n-grams of {lookup} to {settings.lookup_min_ngram} tokens, continued up to {longest}"
           f"{grows}" if lookup else "lookup drafting: off")  # fmt: skip
-    prompts = [_chat_ids(tokenizer, text) for text in _prompts(args.prompts, args.limit)]
+    prompts = [chat_ids(tokenizer, text) for text in _prompts(args.prompts, args.limit)]
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     how, profile_s, first_s = warm_up(target, draft, prompts[0])
     print(
@@ -125,12 +126,6 @@ def main(argv: list[str] | None = None) -> None:
             "part at a near-tie, as explained above; --dtype float32 gives bit-identical output, at a slowdown on "
             "this kind of CPU)"
         )
-
-
-def _chat_ids(tokenizer, text: str) -> torch.Tensor:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
-    )["input_ids"]
 
 
 if __name__ == "__main__":

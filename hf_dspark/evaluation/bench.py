@@ -29,7 +29,7 @@ import torch
 from ..decoding.config import resolve_mode
 from ..integration.generate import dspark_generate
 from ..scheduling.costs import measure_sps
-from .evaluate import load_prompts, run_context
+from .evaluate import chat_ids, load_prompts, run_context
 from .ties import first_divergence, upcast_copy
 
 
@@ -98,9 +98,7 @@ def bench(target, tokenizer, methods: list[Method], dataset: str, limit: int | N
         if m.draft is not None and m.draft.confidence is not None:
             measure_sps(m.draft, 1)
     for i, text in enumerate(tqdm(prompts, desc=f"bench {dataset}", disable=not progress)):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
-        )["input_ids"]
+        ids = chat_ids(tokenizer, text)
         order = methods[i % len(methods) :] + methods[: i % len(methods)]
         outs = {}
         for m in order:

@@ -25,6 +25,13 @@ def eval_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "data" / "eval"
 
 
+def chat_ids(tokenizer, text: str) -> torch.Tensor:
+    """``text`` as one user turn through the tokenizer's chat template, ready for the assistant: -> ids [1, T]."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+    )["input_ids"]
+
+
 def load_prompts(dataset: str, limit: int | None = None, turn: int = 0) -> list[str]:
     """First-turn (or ``turn``) prompts from a dataset name in :data:`DATASETS` or a ``{"turns": [...]}`` JSONL path."""
     path = Path(dataset)
@@ -114,9 +121,7 @@ def _evaluate(target, tokenizer, draft, prompts, dataset, max_new_tokens, temper
 
     all_stats, seconds, tokens = [], 0.0, 0
     for text in tqdm(prompts, desc=f"eval {dataset}", disable=not progress):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
-        )["input_ids"]
+        ids = chat_ids(tokenizer, text)
         kw = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
         if temperature > 0:
             kw["temperature"] = temperature
