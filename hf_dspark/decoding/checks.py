@@ -48,15 +48,17 @@ def check_finite(logits: torch.Tensor, valid: torch.Tensor | None = None) -> Non
     """Refuse non-finite target logits [..., V] (at the positions ``valid`` [...] marks, when given) by name instead
     of failing later in the scheduler or sampler.
 
-    A position's logits are all finite iff their sum is: one inf or NaN makes the sum inf or NaN, and finite logits
-    would have to reach ~1e34 for a sum over a vocabulary to overflow. The sum reads the logits once; selecting the
-    valid positions first copied them, 5 ms a round for 8 rows of 9 slots on SmolLM2 here."""
-    sums = logits.sum(-1)
+    A position's logits are all finite iff their float32 sum is: one inf or NaN makes the sum inf or NaN, and finite
+    logits would have to reach ~1e34 for a sum over a vocabulary to overflow. The sum accumulates in float32 whatever
+    the logits' dtype: a float16 sum overflows past 65,504 (SmolLM2's logits reach ~38, a row sums to ~455,000), which
+    refused every float16 target. The sum reads the logits once; selecting the valid positions first copied them,
+    5 ms a round for 8 rows of 9 slots on SmolLM2 here."""
+    sums = logits.sum(-1, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if not bool(torch.isfinite(sums if valid is None else sums[valid]).all()):
         raise ValueError(
             "the target returned non-finite logits (NaN/inf), which plain generate would return too: e.g. Gemma 2's "
             "eager attention in float64 overflows on the fully masked rows of left padding and spreads NaN to the "
-            "real tokens. Use float32 (or bfloat16), or prompts without padding."
+            "real tokens. Use float32, bfloat16 or float16, or prompts without padding."
         )
 
 
