@@ -199,10 +199,10 @@ def test_per_call_settings_leave_the_saved_config_alone():
     assert draft.config.to_dict() == before
     for bad, message in [
         (dict(verify_mode="fast"), "verify_mode must be one of"),
-        (dict(verify_limit=-1), "verify_limit must be an int >= 0"),
+        (dict(verify_limit=-1), "verify_limit must be an int from 0 to 256"),
         (dict(confidence_threshold=1.5), r"confidence_threshold must lie in \[0, 1\]"),
         (dict(lookup_max_ngram=2, lookup_min_ngram=3), "lookup_min_ngram must be an int between 1 and"),
-        (dict(lookup_max_ngram=2, lookup_max_tokens=0), "lookup_max_tokens must be an int >= 1"),
+        (dict(lookup_max_ngram=2, lookup_max_tokens=0), "lookup_max_tokens must be an int from 1 to 256"),
         (dict(lookup_max_ngram=2, lookup_adaptive="on"), "lookup_adaptive must be True or False"),
     ]:
         with pytest.raises(ValueError, match=message):

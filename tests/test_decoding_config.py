@@ -72,24 +72,21 @@ def test_resolve_applies_overrides_and_resolves_auto_once():
         saved.resolve(True, verify_modes="fixed")
     with pytest.raises(ValueError, match="needs a confidence head"):
         saved.resolve(False, verify_mode="async")
-    saved.verify_limit = -1  # assigned after construction: caught when a call resolves it
-    with pytest.raises(ValueError, match="verify_limit must be an int >= 0"):
-        saved.resolve(True)
 
 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"verify_mode": "greedy"}, "verify_mode must be one of"),
-        ({"verify_limit": 1.5}, "verify_limit must be an int >= 0"),
+        ({"verify_limit": 1.5}, "verify_limit must be an int from 0 to 256"),
         ({"confidence_threshold": 2}, r"confidence_threshold must lie in \[0, 1\]"),
         ({"verify_layout": "ragged"}, "verify_layout must be one of"),
         ({"confidence_recalibration": 1}, "confidence_recalibration must be True or False"),
         ({"greedy_lookahead": "yes"}, "greedy_lookahead must be True or False"),
         ({"cost_recalibration": 0}, "cost_recalibration must be True or False"),
         ({"lookup_max_ngram": 2, "lookup_min_ngram": 3}, "lookup_min_ngram must be an int between 1 and"),
-        ({"lookup_max_tokens": 0}, "lookup_max_tokens must be an int >= 1"),
-        ({"tree_top_k": True}, "tree_top_k must be an int >= 1"),
+        ({"lookup_max_tokens": 0}, "lookup_max_tokens must be an int from 1 to 256"),
+        ({"tree_top_k": True}, "tree_top_k must be an int from 1 \\(a chain\\) to 256"),
     ],
 )
 def test_every_field_is_checked_by_name(fields, message):
@@ -98,12 +95,50 @@ def test_every_field_is_checked_by_name(fields, message):
 
 
 @pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"verify_mode": "greedy"}, "verify_mode must be one of"),
+        ({"verify_limit": -1}, "verify_limit must be an int from 0 to 256"),
+        ({"confidence_threshold": 2}, r"confidence_threshold must lie in \[0, 1\]"),
+        ({"tree_top_k": 0}, "tree_top_k must be an int from 1 \\(a chain\\) to 256"),
+        ({"lookup_max_ngram": 3, "lookup_min_ngram": 4}, "lookup_min_ngram must be an int between 1 and"),
+        ({"lookup_adaptive": "yes"}, "lookup_adaptive must be True or False"),
+    ],
+)
+def test_an_assigned_setting_is_checked_at_once_and_the_old_value_kept(fields, message):
+    """``draft.decoding.tree_top_k = 0`` fails where it is written, with the message a call would give, not at the
+    next ``generate``; the setting keeps its previous value."""
+    draft = _draft(tiny_target("llama"))
+    *first, (name, value) = fields.items()
+    for good_name, good_value in first:  # valid on their own: accepted
+        setattr(draft.decoding, good_name, good_value)
+    kept = draft.decoding.to_dict()
+    with pytest.raises(ValueError, match=message):
+        setattr(draft.decoding, name, value)
+    assert draft.decoding.to_dict() == kept
+    draft.decoding.verify_mode = "fixed"  # a valid assignment still goes through
+    assert draft.decoding.verify_mode == "fixed"
+
+
+def test_an_unknown_setting_or_a_foreign_object_is_refused_on_assignment():
+    draft = _draft(tiny_target("llama"))
+    with pytest.raises(
+        AttributeError, match=r"'verify_modes' is not a DSpark decoding setting; known: \['verify_mode'"
+    ):
+        draft.decoding.verify_modes = "fixed"
+    with pytest.raises(TypeError, match=r"draft.decoding must be a DecodingConfig .* got dict"):
+        draft.decoding = {"verify_mode": "fixed"}
+    draft.decoding = draft.decoding.replace(lookup_max_ngram=4, lookup_min_ngram=3)  # several at once
+    assert (draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram) == (4, 3)
+
+
+@pytest.mark.parametrize(
     ("text", "message"),
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
         ('{"verify_mode": "fixed", "speed": 2}', r"unknown decoding settings \['speed'\]"),
-        ('{"tree_top_k": 0}', "tree_top_k must be an int >= 1"),
+        ('{"tree_top_k": 0}', "tree_top_k must be an int from 1 \\(a chain\\) to 256"),
     ],
 )
 def test_a_malformed_decoding_config_is_named(tmp_path, text, message):

@@ -488,10 +488,50 @@ def test_tree_top_k_is_validated_by_name():
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
     for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match="tree_top_k must be an int >= 1"):
+        with pytest.raises(ValueError, match="tree_top_k must be an int from 1 \\(a chain\\) to 256"):
             _tree_generate(target, draft, _prompt(), max_new_tokens=4, tree_top_k=bad)
-    with pytest.raises(ValueError, match="tree_top_k must be an int >= 1"):
+    with pytest.raises(ValueError, match="tree_top_k must be an int from 1 \\(a chain\\) to 256"):
         DSparkConfig(tree_top_k=0)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(tree_top_k=10**6), r"tree_top_k must be an int from 1 \(a chain\) to 256, got 1000000"),
+        (dict(tree_top_k=4, verify_limit=10**6), "verify_limit must be an int from 0 to 256"),
+        (dict(lookup_max_ngram=10**6), r"lookup_max_ngram must be an int from 0 \(off\) to 64"),
+        (dict(lookup_max_ngram=3, lookup_max_tokens=10**6), "lookup_max_tokens must be an int from 1 to 256"),
+        (dict(tree_top_k=40), "tree_top_k=40 asks for more children per node than the 24 tokens this draft can"),
+    ],
+)
+def test_size_settings_are_refused_before_anything_is_measured(settings, message, monkeypatch):
+    """``tree_top_k=10**6`` hung: the cost profile was measured at two million widths before anything was checked.
+    Every size-like setting is bounded by name, and a tree wider than the draft's vocabulary is refused at the call,
+    before the prefill and before any measurement."""
+    from hf_dspark.decoding import loop
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
+    draft.set_draft_vocab(list(range(24)))
+
+    def measured(*args, **kw):
+        raise AssertionError("measured before the settings were checked")
+
+    monkeypatch.setattr(loop, "sps_profile", measured)
+    monkeypatch.setattr(loop, "tree_draft_seconds", measured)
+    monkeypatch.setattr(target, "forward", measured)  # not even the prefill ran
+    with pytest.raises(ValueError, match=message):
+        _tree_generate(target, draft, _prompt(), max_new_tokens=4, verify_mode="scheduled", **settings)
+
+
+def test_a_trees_default_node_budget_is_clamped_to_the_widest_verify():
+    from hf_dspark.decoding.config import MAX_VERIFY_WIDTH, DecodingConfig
+    from hf_dspark.decoding.loop import TreeSchedule
+
+    wide = TreeSchedule(DecodingConfig(tree_top_k=200), draft_tokens=8, proposers=[], lookup=None)
+    assert wide.budget == MAX_VERIFY_WIDTH == 256  # γ · k = 1,600 nodes, clamped
+    assert TreeSchedule(DecodingConfig(tree_top_k=4), 8, [], None).budget == 32  # below it: γ · k
+    assert TreeSchedule(DecodingConfig(tree_top_k=200, verify_limit=40), 8, [], None).budget == 40
 
 
 @pytest.mark.parametrize("head", ["markov", "rnn"])

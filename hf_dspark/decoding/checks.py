@@ -44,6 +44,18 @@ def check_supported(generation_config: GenerationConfig, input_ids: torch.Tensor
         raise ValueError("output_scores/output_logits with DSpark need batch size 1")
 
 
+def check_settings_fit(settings, draft) -> None:
+    """Refuse, before anything is measured, settings that ask for more than ``draft`` can propose: ``tree_top_k``
+    children per node out of the tokens the draft proposes (its draft vocabulary, else the target's)."""
+    vocab = draft.draft_vocab
+    proposable = int(vocab.numel()) if vocab is not None else int(draft.config.target_vocab_size)
+    if settings.tree_top_k > proposable:
+        raise ValueError(
+            f"tree_top_k={settings.tree_top_k} asks for more children per node than the {proposable} tokens this "
+            "draft can propose (its draft vocabulary)"
+        )
+
+
 def check_finite(logits: torch.Tensor, valid: torch.Tensor | None = None) -> None:
     """Refuse non-finite target logits [..., V] (at the positions ``valid`` [...] marks, when given) by name instead
     of failing later in the scheduler or sampler.

@@ -21,6 +21,12 @@ DECODING_CONFIG_NAME = "decoding_config.json"
 VERIFY_MODES = ("auto", "fixed", "threshold", "scheduled", "async")
 PRICED_MODES = ("scheduled", "async")  # the modes that price a round with the SPS profile and the draft's cost
 VERIFY_LAYOUTS = ("padded", "packed")
+# The most tokens one row verifies in one forward (``verify_limit``, ``lookup_max_tokens``, a tree's node budget):
+# the SPS profile is measured at every width a call may verify before the call starts, so an unbounded width is a
+# hang, not a plan. 256 is 8x the widest tree measured to pay anywhere here (32 nodes), and past what EAGLE-2-style
+# engines verify on a GPU (about 60).
+MAX_VERIFY_WIDTH = 256
+MAX_LOOKUP_NGRAM = 64  # each lookup tries every n from lookup_max_ngram down: its cost grows with n
 
 
 def resolve_mode(verify_mode: str, has_confidence_head: bool) -> str:
@@ -43,7 +49,9 @@ class DecodingConfig:
             ``threshold`` (the prefix with c_k ≥ ``confidence_threshold``), ``scheduled`` (Algorithm 1 with the
             target's SPS profile) or ``async`` (capacity from confidences two rounds old, filled by current ones).
         verify_limit: at most this many draft tokens (tree nodes, for a tree) verified per row and round, in every
-            mode (``None``: γ, or γ · ``tree_top_k`` for a tree).
+            mode (``None``: γ, or γ · ``tree_top_k`` for a tree). At most ``MAX_VERIFY_WIDTH`` (256); a chain
+            verifies at most γ whatever the limit, and a tree's default budget γ · ``tree_top_k`` is clamped to
+            256 nodes.
         confidence_threshold: the ``threshold`` mode's cut, in [0, 1].
         verify_layout: what ``scheduled``/``async`` assume a verify step costs in a batch. ``padded``: this
             package's loop, which verifies an [R, 1 + ℓ] block, so the planners choose whole columns; ``packed``:
@@ -68,11 +76,13 @@ class DecodingConfig:
         lookup_max_ngram, lookup_min_ngram: in a round with one row running, if the row's last n tokens (n from
             ``lookup_max_ngram`` down to ``lookup_min_ngram``) occurred earlier in its history, the tokens that
             followed them are verified (a branch of the tree, or instead of the drafted chain). Lossless either way.
-        lookup_max_tokens: the most tokens a continuation verifies (``None``: γ; never more than ``verify_limit``).
+        lookup_max_tokens: the most tokens a continuation verifies (``None``: γ; never more than ``verify_limit``,
+            nor than the room left before ``max_length``; at most 256). ``lookup_max_ngram`` is at most 64.
         lookup_adaptive: a call's first lookup verifies at most γ tokens, each lookup accepted in full doubles that
             width up to ``lookup_max_tokens``, and one cut short sets it back to γ.
     Token trees (``hf_dspark.decoding.tree``):
-        tree_top_k: children per node (1: one chain). Above 1, every row of a call verifies a tree of its own
+        tree_top_k: children per node (1: one chain; at most 256, and at most the tokens the draft can propose,
+            checked when a call starts). Above 1, every row of a call verifies a tree of its own
             (a batch in one forward): the draft's top ``tree_top_k`` tokens under each of the ``min(tree_top_k, 4)``
             most valuable nodes of each depth, lookup continuations as branches.
         tree_lookup_merge: (trees with lookup on) ``False``: a row whose lookup finds a continuation verifies that
@@ -97,6 +107,25 @@ class DecodingConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+        object.__setattr__(self, "_validating", True)
+
+    def __setattr__(self, name: str, value) -> None:
+        """Assigning a field validates at once, as ``generate`` would at the next call, with the same message; a
+        refused value leaves the old one in place. A name that is no field is refused (a typo would otherwise be
+        a silent no-op). Fields that constrain each other (``lookup_min_ngram`` ≤ ``lookup_max_ngram``) are
+        checked together: change several at once with ``draft.decoding = draft.decoding.replace(...)``."""
+        if not self.__dict__.get("_validating"):  # __init__ assigns one field at a time; __post_init__ validates
+            object.__setattr__(self, name, value)
+            return
+        if name not in self.field_names():
+            raise AttributeError(f"{name!r} is not a DSpark decoding setting; known: {list(self.field_names())}")
+        old = getattr(self, name)
+        object.__setattr__(self, name, value)
+        try:
+            self.validate()
+        except ValueError:
+            object.__setattr__(self, name, old)
+            raise
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -106,8 +135,12 @@ class DecodingConfig:
         """Raise ``ValueError`` naming the first field that cannot work."""
         if self.verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {self.verify_mode!r}")
-        if self.verify_limit is not None and not _is_int(self.verify_limit, 0):
-            raise ValueError(f"verify_limit must be an int >= 0 (or None: γ), got {self.verify_limit!r}")
+        if self.verify_limit is not None and not (
+            _is_int(self.verify_limit, 0) and self.verify_limit <= MAX_VERIFY_WIDTH
+        ):
+            raise ValueError(
+                f"verify_limit must be an int from 0 to {MAX_VERIFY_WIDTH} (or None: γ), got {self.verify_limit!r}"
+            )
         threshold = self.confidence_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
             raise ValueError(f"confidence_threshold must lie in [0, 1], got {threshold!r}")
@@ -119,8 +152,10 @@ class DecodingConfig:
             raise ValueError(f"cost_recalibration must be True or False, got {self.cost_recalibration!r}")
         if not isinstance(self.greedy_lookahead, bool):
             raise ValueError(f"greedy_lookahead must be True or False, got {self.greedy_lookahead!r}")
-        if not _is_int(self.lookup_max_ngram, 0):
-            raise ValueError(f"lookup_max_ngram must be an int >= 0 (0: off), got {self.lookup_max_ngram!r}")
+        if not (_is_int(self.lookup_max_ngram, 0) and self.lookup_max_ngram <= MAX_LOOKUP_NGRAM):
+            raise ValueError(
+                f"lookup_max_ngram must be an int from 0 (off) to {MAX_LOOKUP_NGRAM}, got {self.lookup_max_ngram!r}"
+            )
         if self.lookup_max_ngram and not (
             _is_int(self.lookup_min_ngram, 1) and self.lookup_min_ngram <= self.lookup_max_ngram
         ):
@@ -128,12 +163,19 @@ class DecodingConfig:
                 f"lookup_min_ngram must be an int between 1 and lookup_max_ngram ({self.lookup_max_ngram}), "
                 f"got {self.lookup_min_ngram!r}"
             )
-        if self.lookup_max_tokens is not None and not _is_int(self.lookup_max_tokens, 1):
-            raise ValueError(f"lookup_max_tokens must be an int >= 1 (or None: γ), got {self.lookup_max_tokens!r}")
+        if self.lookup_max_tokens is not None and not (
+            _is_int(self.lookup_max_tokens, 1) and self.lookup_max_tokens <= MAX_VERIFY_WIDTH
+        ):
+            raise ValueError(
+                f"lookup_max_tokens must be an int from 1 to {MAX_VERIFY_WIDTH} (or None: γ), "
+                f"got {self.lookup_max_tokens!r}"
+            )
         if not isinstance(self.lookup_adaptive, bool):
             raise ValueError(f"lookup_adaptive must be True or False, got {self.lookup_adaptive!r}")
-        if not _is_int(self.tree_top_k, 1):
-            raise ValueError(f"tree_top_k must be an int >= 1 (1: a chain), got {self.tree_top_k!r}")
+        if not (_is_int(self.tree_top_k, 1) and self.tree_top_k <= MAX_VERIFY_WIDTH):
+            raise ValueError(
+                f"tree_top_k must be an int from 1 (a chain) to {MAX_VERIFY_WIDTH}, got {self.tree_top_k!r}"
+            )
         if not isinstance(self.tree_lookup_merge, bool):
             raise ValueError(f"tree_lookup_merge must be True or False, got {self.tree_lookup_merge!r}")
 

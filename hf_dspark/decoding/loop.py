@@ -50,8 +50,16 @@ from ..scheduling.policy import (
     tree_rate,
 )
 from ..scheduling.recalibration import AcceptanceRecalibration
-from .checks import check_cache, check_finite, check_supported, keep_cache_slots, sliding_window, tree_refusal
-from .config import DecodingConfig
+from .checks import (
+    check_cache,
+    check_finite,
+    check_settings_fit,
+    check_supported,
+    keep_cache_slots,
+    sliding_window,
+    tree_refusal,
+)
+from .config import MAX_VERIFY_WIDTH, DecodingConfig
 from .drafting import DraftContext, LayerTap, Proposal, draft_block
 from .lm_head import verify_head
 from .lookup import lookups, one_hot_probs
@@ -550,7 +558,7 @@ class TreeSchedule(PricedRounds):
     @property
     def budget(self) -> int:
         s = self.settings
-        return s.verify_limit if s.verify_limit is not None else self.draft_tokens * s.tree_top_k
+        return s.verify_limit if s.verify_limit is not None else min(self.draft_tokens * s.tree_top_k, MAX_VERIFY_WIDTH)
 
     def price(self, draft, target, rows: int) -> None:
         """Price verifies of ``rows`` batch rows up to the node budget, and a round of tree drafting for them (the
@@ -832,6 +840,7 @@ def dspark_decode(
     # rows leave the batch as they finish, unless the caller asked for the cache back (it then covers every row)
     compact = hasattr(cache, "batch_select_indices") and not returned
     settings = settings or draft.decoding.resolve(draft.confidence is not None)
+    check_settings_fit(settings, draft)
     if g.do_sample and settings.greedy_lookahead:  # sampling keeps Algorithm 1's early stop: it is what keeps it exact
         settings = dataclasses.replace(settings, greedy_lookahead=False)
     if g.do_sample and settings.cost_recalibration:  # decisions that follow wall time would change which random

@@ -254,6 +254,14 @@ class DSparkDraftModel(PreTrainedModel):
         dtype_ok = not weight.dtype.is_floating_point or self.dtype == weight.dtype
         return dtype_ok and self.device == weight.device
 
+    def __setattr__(self, name: str, value) -> None:
+        if name == "decoding" and not isinstance(value, DecodingConfig):  # the loop reads it at every call
+            raise TypeError(
+                f"draft.decoding must be a DecodingConfig (e.g. draft.decoding.replace(verify_mode='fixed')), "
+                f"got {type(value).__name__}"
+            )
+        super().__setattr__(name, value)
+
     def __getattr__(self, name: str):
         if name == "generation_config":  # what transformers' own assisted decoding reads first from an assistant
             raise AttributeError(
