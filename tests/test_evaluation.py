@@ -100,6 +100,34 @@ def test_eval_refuses_a_draft_for_another_target(tmp_path):
         main(["eval", "--target", str(tmp_path / "target"), "--draft", f"a={tmp_path / 'ok'}", f"a={tmp_path / 'ok'}"])
 
 
+def test_commands_that_plot_finish_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """matplotlib is an extra (``plots``): without it `bench` writes its JSON and table, says in one line which plot
+    it skipped, and exits 0; so do the eval and calibration plots. It failed after its work was done."""
+    import sys
+
+    from hf_dspark.cli import main
+    from hf_dspark.evaluation.evaluate import plot_acceptance, plot_tau
+    from hf_dspark.model.sts import reliability_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    target = tiny_target("llama", vocab_size=96, eos_token_id=1)
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
+    DSparkDraftModel.from_target(target, block_size=4, head_rank=8).save_pretrained(tmp_path / "draft")
+    out = tmp_path / "out"
+    main(["bench", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--datasets",
+          "humaneval", "--limit", "1", "--max-new-tokens", "4", "--gammas", "--out", str(out)])  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]
+    err = capsys.readouterr().err
+    note = f"note: matplotlib is not installed, so {out / 'speedup.png'} is not drawn (pip install 'hf-dspark[plots]')"
+    assert note in err.splitlines()
+    results = [{"dataset": "gsm8k", "temperature": 0.0, "tau": 2.0, "position_acceptance": [0.5]}]
+    assert plot_acceptance(results, tmp_path / "a.png") is None and plot_tau(results, tmp_path / "t.png") is None
+    assert reliability_plot(torch.zeros(4, 2), torch.ones(4, 2), [1.0, 1.0], tmp_path / "r.png") is None
+    assert not any(tmp_path.glob("*.png"))
+    assert "a.png is not drawn" in capsys.readouterr().err
+
+
 def test_cli_bench_end_to_end(tmp_path):
     from hf_dspark.cli import main
 

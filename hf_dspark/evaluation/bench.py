@@ -28,6 +28,7 @@ import torch
 
 from ..decoding.config import resolve_mode
 from ..integration.generate import dspark_generate
+from ..plotting import pyplot
 from ..scheduling.costs import measure_sps
 from .evaluate import chat_ids, load_prompts, run_context
 from .ties import first_divergence, upcast_copy
@@ -208,10 +209,9 @@ def markdown_table(results: list[dict]) -> str:
 
 def plot_speedups(results: list[dict], path) -> None:
     """Grouped bars: speedup per method, one group per dataset (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return None
 
     names = [m["method"] for m in results[0]["methods"]]
     width = 0.8 / len(names)

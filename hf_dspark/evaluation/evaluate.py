@@ -16,6 +16,7 @@ import torch
 
 from ..decoding.stats import DSparkStats
 from ..integration.generate import dspark_generate
+from ..plotting import pyplot
 
 DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 
@@ -151,13 +152,12 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_acceptance(results: list[dict], path: str | Path) -> Path:
+def plot_acceptance(results: list[dict], path: str | Path) -> Path | None:
     """Per-position conditional acceptance curves (PNG): one line per draft, dataset and temperature; a colour per
     dataset and temperature, a line style per draft, so a draft and its ablation read side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return None
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     drafts = list(dict.fromkeys(r.get("draft", "dspark") for r in results))
@@ -179,12 +179,11 @@ def plot_acceptance(results: list[dict], path: str | Path) -> Path:
     return Path(path)
 
 
-def plot_tau(results: list[dict], path: str | Path) -> Path:
+def plot_tau(results: list[dict], path: str | Path) -> Path | None:
     """Grouped bars of τ (PNG): one group per dataset, one bar per draft and temperature."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return None
 
     datasets = list(dict.fromkeys(r["dataset"] for r in results))
     series = list(dict.fromkeys((r.get("draft", "dspark"), r["temperature"]) for r in results))

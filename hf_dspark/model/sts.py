@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ..plotting import pyplot
+
 DEFAULT_GRID = torch.logspace(-1.0, 1.5, 101).tolist()  # T from 0.1 to ~31.6
 
 
@@ -135,10 +137,9 @@ def reliability_plot(
     logits, accepted [N, γ] as :func:`sequential_temperature_scaling`. One line per block position k: observed
     frequency of "first k all accepted" against the mean predicted a_k, per bin; the diagonal is perfect calibration.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return None
 
     outcome = accepted.double().cumprod(-1)
     panels = [("before STS (T = 1)", None), ("after STS", temperatures)]
