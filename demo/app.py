@@ -33,6 +33,7 @@ from transformers import TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from hf_dspark import DSparkDraftModel, dspark_generate
+from hf_dspark.cli import host, port
 from hf_dspark.evaluation.bench import warm_up
 from hf_dspark.evaluation.ties import first_divergence, upcast_copy
 
@@ -324,8 +325,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="auto (default): bfloat16 on CPUs with native bf16 units (faster verify; greedy may part at "
                     "near-ties of the logits, explained in the summary), else float32; float32: bit-identical to "
                     "plain greedy")  # fmt: skip
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=7860)
+    ap.add_argument("--host", default="127.0.0.1", type=host, help="address to serve on (0.0.0.0: every interface)")
+    ap.add_argument("--port", default=7860, type=port, help="port to serve on")
     args = ap.parse_args(argv)
     serve(args.target, args.draft, args.dtype, args.host, args.port)
 

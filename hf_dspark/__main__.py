@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from . import embedded
+from .cli import lookup_ngram, positive_int
 from .evaluation.bench import warm_up
 from .evaluation.evaluate import chat_ids
 from .evaluation.ties import first_divergence, upcast_copy
@@ -44,17 +45,29 @@ def _prompts(path: str | None, limit: int) -> list[str]:
     return [row["turns"][0] for row in lines[:limit]]
 
 
-def main(argv: list[str] | None = None) -> None:
+def existing_file(value: str) -> str:
+    if not Path(value).is_file():
+        raise argparse.ArgumentTypeError(f"{value}: no such file")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The main command's options, each refusing a value it cannot use before anything loads."""
     ap = argparse.ArgumentParser(prog="python -m hf_dspark", description=__doc__)
-    ap.add_argument("--prompts", help="a {'turns': [...]} JSONL file (default: three built-in prompts)")
-    ap.add_argument("--limit", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    ap.add_argument("--prompts", type=existing_file,
+                    help="a {'turns': [...]} JSONL file (default: three built-in prompts)")  # fmt: skip
+    ap.add_argument("--limit", type=positive_int, default=3, help="prompts run")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto: bfloat16 where the CPU has native bf16 units, else float32")  # fmt: skip
-    ap.add_argument("--lookup", type=int, default=None, metavar="N",
+    ap.add_argument("--lookup", type=lookup_ngram, default=None, metavar="N",
                     help="lookup drafting, n-grams of N..2 tokens (0: off; default: the draft's config)")  # fmt: skip
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = embedded.fast_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -72,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
             "      Its output is still exactly the target's (DSpark is lossless), but expect a slowdown, not a speedup."
         )
 
-    settings = draft.decoding.replace(lookup_max_ngram=args.lookup)  # this run's (validated), not the saved ones
+    shortest = min(draft.decoding.lookup_min_ngram, args.lookup) if args.lookup else None  # --lookup 1: 1-grams
+    settings = draft.decoding.replace(lookup_max_ngram=args.lookup, lookup_min_ngram=shortest)  # this run's own
     lookup = settings.lookup_max_ngram
     longest = settings.lookup_max_tokens or draft.config.num_draft_tokens
     grows = " (growing from γ while lookups are accepted in full)" if settings.lookup_adaptive else ""
@@ -91,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         ref = target.generate(ids, **kw)
         t1 = time.perf_counter()
-        out = target.generate(ids, custom_generate=dspark_generate, draft=draft, lookup_max_ngram=lookup, **kw)
+        out = target.generate(ids, custom_generate=dspark_generate, draft=draft, lookup_max_ngram=lookup,
+                              lookup_min_ngram=settings.lookup_min_ngram, **kw)  # fmt: skip
         t2 = time.perf_counter()
         same = out.tolist() == ref.tolist()
         n = ref.shape[1] - ids.shape[1]

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import json
+import math
+import re
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+
+from .decoding.config import MAX_LOOKUP_NGRAM, MAX_VERIFY_WIDTH
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -54,24 +59,117 @@ def load_target(spec: str, dtype: str = "float32", with_tokenizer: bool = True):
 # ----- argument checks, run before any model loads --------------------------------------------------------------
 
 
+# Each option's type refuses what the command cannot use, so argparse reports it as a usage error (exit 2) before
+# anything loads; tests/test_cli.py feeds every option of every command a bad value.
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
+def int_range(low: int, high: int):
+    """An argparse type: an integer from ``low`` to ``high``."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
+        return value
+
+    parse.__name__ = f"int from {low} to {high}"
+    return parse
+
+
 def positive_float(text: str) -> float:
-    value = float(text)
+    value = _float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {value}")
+    return value
+
+
+def text(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def repo_id(value: str) -> str:
+    """A Hub repository id, ``org/name`` (or ``name``), as the Hub spells them."""
+    if not re.fullmatch(r"(?:[\w.-]+/)?[\w.-]+", value) or ".." in value or value.startswith(("-", ".")):
+        raise argparse.ArgumentTypeError(f"must be a Hub repository id like org/name, got {value!r}")
+    return value
+
+
+def host(value: str) -> str:
+    """An address to serve on: an IP address or a host name."""
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    labels = value.rstrip(".").split(".")
+    if not value or len(value) > 253 or not all(re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", x)
+                                                  for x in labels):  # fmt: skip
+        raise argparse.ArgumentTypeError(f"must be an IP address or a host name, got {value!r}")
+    return value
+
+
+port = int_range(1, 65535)
+lookup_ngram = int_range(0, MAX_LOOKUP_NGRAM)
+
+
+def folder_path(value: str) -> str:
+    """A folder to write into: it may exist, as a folder."""
+    if Path(value).expanduser().exists() and not Path(value).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"{value} exists and is not a folder")
+    return value
+
+
+def file_path(value: str) -> str:
+    """A file to write (or append to): it may exist, as a file."""
+    if Path(value).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a folder, not a file")
     return value
 
 
@@ -164,6 +262,8 @@ def cmd_train(args) -> None:
     from .training.losses import LossWeights
     from .training.trainer import TrainConfig, saved_vocab, train
 
+    if args.stop_at is not None and args.stop_at > args.steps:
+        raise SystemExit(f"--stop-at {args.stop_at} is past --steps {args.steps}")
     check_files([args.data], "--data")
     check_target(args.target)
     rows = load_dataset(args.data)
@@ -282,6 +382,8 @@ def cmd_eval(args) -> None:
 def cmd_bench(args) -> None:
     from .evaluation.bench import bench, markdown_table, plot_speedups, standard_methods
 
+    if args.lookup and args.lookup_min > args.lookup:
+        raise SystemExit(f"--lookup-min {args.lookup_min} is longer than --lookup {args.lookup}")
     folders = draft_specs(args.draft)
     check_datasets(args.datasets)
     check_target(args.target)
@@ -396,19 +498,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default=dtype, choices=DTYPES,
                        help=dtype_help or "the target's (and draft's) dtype; auto: bfloat16 on CPUs with native bf16 "
                        "units, else float32 (float32 is bit-identical to plain greedy)")  # fmt: skip
-        p.add_argument("--seed", type=int, default=0, help="random seed")
+        p.add_argument("--seed", type=non_negative_int, default=0, help="random seed")
 
     train_dtype = "the target's dtype while it answers or feeds features (auto: as for decoding)"
     p = command("prepare", "regenerate answers to prompts with the target (resumable)")
     common(p, "float32", train_dtype)
     p.add_argument("prompts", nargs="+", help="prompt files (JSONL turns/messages/question, or Code Alpaca JSON)")
-    p.add_argument("--out", required=True, help="the JSONL file of answered rows to write (appended on resume)")
+    p.add_argument("--out", required=True, type=file_path,
+                   help="the JSONL file of answered rows to write (appended on resume)")  # fmt: skip
     p.add_argument("--limit", type=positive_int, default=None, help="prompts per file (default: all)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest answer, in tokens")
     p.add_argument("--batch-size", type=positive_int, default=16, help="prompts answered together")
     p.add_argument("--greedy", action="store_true", help="answer greedily instead of sampling")
     p.add_argument("--temperature", type=positive_float, default=0.7, help="sampling temperature")
-    p.add_argument("--top-p", type=positive_float, default=0.8, help="nucleus sampling mass")
+    p.add_argument("--top-p", type=probability, default=0.8, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--top-k", type=non_negative_int, default=20, help="sample among the k likeliest (0: all)")
     p.add_argument("--allow-eval", action="store_true", help="accept files under eval/ (never for training)")
     p.add_argument("--draft", default=None,
@@ -419,10 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("train", "train a draft (accelerate; resumable from --out)")
     common(p, "float32", train_dtype)
     p.add_argument("--data", required=True, help="answered rows (JSONL from `prepare`)")
-    p.add_argument("--out", required=True, help="the run folder: checkpoints, then final/ (an existing run resumes)")
+    p.add_argument("--out", required=True, type=folder_path,
+                   help="the run folder: checkpoints, then final/ (an existing run resumes)")  # fmt: skip
     p.add_argument("--head", default="markov", choices=["none", "markov", "gated", "rnn"],
                    help="sequential head (none: the parallel ablation)")  # fmt: skip
-    p.add_argument("--block-size", type=positive_int, default=8, help="γ: the block's slots (anchor + masks)")
+    p.add_argument("--block-size", type=int_range(2, MAX_VERIFY_WIDTH), default=8,
+                   help="γ: the block's slots (anchor + masks)")  # fmt: skip
     p.add_argument("--layers", type=positive_int, default=2, help="draft decoder layers")
     p.add_argument("--rank", type=positive_int, default=256, help="the sequential head's rank r")
     p.add_argument("--copy-target-layers", action="store_true", help="start the draft layers from the target's top")
@@ -436,15 +541,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors", type=positive_int, default=32, help="blocks drafted per row per step")
     p.add_argument("--max-length", type=positive_int, default=1024, help="rows are cut to this many tokens")
     p.add_argument("--save-every", type=positive_int, default=100, help="steps between checkpoints")
-    p.add_argument("--feature-cache", default=None,
+    p.add_argument("--feature-cache", default=None, type=folder_path,
                    help="a folder for the target's features per row: later epochs skip the target's forward and "
                    "its whole-vocabulary softmax (several GB for thousands of rows)")  # fmt: skip
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"], help="accelerate's autocast")
-    p.add_argument("--loss-weights", type=float, nargs=3, default=[0.1, 0.9, 1.0], metavar=("CE", "TV", "CONF"),
+    p.add_argument("--loss-weights", type=non_negative_float, nargs=3, default=[0.1, 0.9, 1.0],
+                   metavar=("CE", "TV", "CONF"),
                    help="weights of the CE, total-variation and confidence losses")  # fmt: skip
-    p.add_argument("--kd-weight", type=float, default=0.0,
+    p.add_argument("--kd-weight", type=non_negative_float, default=0.0,
                    help="weight of distillation on the target's next-token distribution (-Σ p_t log p_d)")  # fmt: skip
-    p.add_argument("--argmax-weight", type=float, default=0.0,
+    p.add_argument("--argmax-weight", type=non_negative_float, default=0.0,
                    help="weight of CE on the target's argmax token (the label greedy verification checks)")  # fmt: skip
     p.add_argument("--draft-vocab", type=non_negative_int, default=0,
                    help="train over the N most frequent answer tokens + special tokens and ship with them as the "
@@ -479,12 +585,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"], help=datasets_help)
     p.add_argument("--limit", type=positive_int, default=None, help="prompts per dataset (default: all)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 means greedy")
+    p.add_argument("--temperatures", type=non_negative_float, nargs="+", default=[0.0, 1.0], help="0 means greedy")
     p.add_argument("--verify-mode", default=None, choices=[m for m in VERIFY_MODES if m != "auto"],
                    help="how many draft tokens each round verifies (default: the draft's config)")  # fmt: skip
-    p.add_argument("--lookup", type=non_negative_int, default=0, metavar="N",
+    p.add_argument("--lookup", type=lookup_ngram, default=0, metavar="N",
                    help="decode with lookup drafting, n-grams of N tokens (0: the draft alone)")  # fmt: skip
-    p.add_argument("--out", default="eval-results", help="folder for eval.json, eval.md and the plots")
+    p.add_argument(
+        "--out", default="eval-results", type=folder_path, help="folder for eval.json, eval.md and the plots"
+    )
     p.set_defaults(func=cmd_eval)
 
     p = command("bench", "wall-clock vs plain generate and prompt lookup, interleaved, greedy")
@@ -494,12 +602,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"], help=datasets_help)
     p.add_argument("--limit", type=positive_int, default=None, help="prompts per dataset (default: all)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
-    p.add_argument("--gammas", type=positive_int, nargs="*", default=[4, 8, 16],
+    p.add_argument("--gammas", type=int_range(1, MAX_VERIFY_WIDTH), nargs="*", default=[4, 8, 16],
                    help="fixed verify lengths to bench beside the scheduler (none: skip)")  # fmt: skip
-    p.add_argument("--lookup", type=non_negative_int, default=0, metavar="N",
+    p.add_argument("--lookup", type=lookup_ngram, default=0, metavar="N",
                    help="also run each draft with lookup drafting, n-grams of N to --lookup-min tokens")  # fmt: skip
-    p.add_argument("--lookup-min", type=positive_int, default=2, help="shortest n-gram lookup drafting matches")
-    p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md and the plot")
+    p.add_argument("--lookup-min", type=int_range(1, MAX_LOOKUP_NGRAM), default=2,
+                   help="shortest n-gram lookup drafting matches")  # fmt: skip
+    p.add_argument(
+        "--out", default="bench-results", type=folder_path, help="folder for bench.json, bench.md and the plot"
+    )
     p.set_defaults(func=cmd_bench)
 
     p = command("export", "write a draft in another implementation's layout (speculators for vLLM, DeepSpec)")
@@ -507,27 +618,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="a draft folder or Hub id")
     p.add_argument("--format", default="speculators", choices=exportable(),
                    help="; ".join(f"{name}: {FORMATS[name].description}" for name in exportable()))  # fmt: skip
-    p.add_argument("--verifier", default=None,
+    p.add_argument("--verifier", default=None, type=repo_id,
                    help="speculators: the target's Hub id, recorded for the serving engine (default: the target's "
                    "Hub id; HuggingFaceTB/SmolLM2-135M-Instruct for the embedded one)")  # fmt: skip
-    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--out", required=True, type=folder_path, help="the folder to write")
     p.set_defaults(func=cmd_export)
 
     p = command("card", "write README.md (the model card) into a draft folder")
     p.add_argument("--draft", required=True, help="a draft folder (its eval.json, bench.json, training.json are read)")
-    p.add_argument("--name", default=None, help="the repository name shown in the card (default: the folder's)")
-    p.add_argument("--target-id", default=None, help="the target's Hub id, for the usage snippet")
-    p.add_argument("--license", default="mit", help="the card's licence")
+    p.add_argument("--name", default=None, type=repo_id,
+                   help="the repository name shown in the card (default: the folder's)")  # fmt: skip
+    p.add_argument("--target-id", default=None, type=repo_id, help="the target's Hub id, for the usage snippet")
+    p.add_argument("--license", default="mit", type=text, help="the card's licence")
     p.set_defaults(func=cmd_card)
 
     p = command("push", "upload a draft folder (config, safetensors, card) to the Hub")
     p.add_argument("--draft", required=True, help="a draft folder")
-    p.add_argument("--repo", required=True, help="org/name")
-    p.add_argument("--target-id", default=None, help="the target's Hub id, for the card's usage snippet")
-    p.add_argument("--license", default="mit", help="the card's licence")
+    p.add_argument("--repo", required=True, type=repo_id, help="org/name")
+    p.add_argument("--target-id", default=None, type=repo_id, help="the target's Hub id, for the card's usage snippet")
+    p.add_argument("--license", default="mit", type=text, help="the card's licence")
     p.add_argument("--private", action="store_true", help="create the repository private")
     p.add_argument("--card", action="store_true", help="re-render the card even if README.md exists")
-    p.add_argument("--message", default="Upload DSpark draft", help="the commit message")
+    p.add_argument("--message", default="Upload DSpark draft", type=text, help="the commit message")
     p.set_defaults(func=cmd_push)
 
     p = command("demo", "the Gradio demo: plain generate and DSpark side by side (needs the demo extra)")
@@ -536,8 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPES[:3],
                    help="auto: bfloat16 on CPUs with native bf16 units (faster; greedy may part at near-ties), else "
                    "float32 (bit-identical to plain greedy; the page offers it either way)")  # fmt: skip
-    p.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=positive_int, default=7860, help="port to serve on")
+    p.add_argument("--host", default="127.0.0.1", type=host, help="address to serve on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=port, default=7860, help="port to serve on")
     p.set_defaults(func=cmd_demo)
     return ap
 

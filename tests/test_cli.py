@@ -98,21 +98,190 @@ def test_a_bad_target_or_data_path_is_refused_before_loading(no_model_loads, dra
         cli.main(["prepare", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "rows.jsonl")])
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["eval", "--draft", "d", "--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
-        (["bench", "--draft", "d", "--limit", "-3"], "argument --limit: must be at least 1, got -3"),
-        (["train", "--data", "d", "--out", "o", "--lr", "0"], "argument --lr: must be above 0, got 0.0"),
-        (["eval", "--draft", "d", "--lookup", "-1"], "argument --lookup: must be 0 or more, got -1"),
-        (["export", "--draft", "d", "--out", "o", "--format", "gguf"], "argument --format: invalid choice: 'gguf'"),
-    ],
-)
-def test_out_of_range_arguments_are_usage_errors(no_model_loads, capsys, argv, message):
+# Every option of every command, with a value the command cannot use, and the message that names it. The walk
+# below checks that this table covers every option the parsers declare (flags without a value aside), so an option
+# added without a check fails it.
+BAD_VALUES = {
+    "prepare": {
+        "--target": (["--target", "{tmp}/nope"], "--target {tmp}/nope: no such folder"),
+        "--dtype": (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+        "--seed": (["--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
+        "prompts": (
+            ["prepare", "{tmp}/missing.jsonl", "--out", "{tmp}/rows.jsonl"],
+            "prompt file {tmp}/missing.jsonl: no such file",
+        ),
+        "--out": (["--out", "{tmp}"], "argument --out: {tmp} is a folder, not a file"),
+        "--limit": (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+        "--max-new-tokens": (["--max-new-tokens", "x"], "argument --max-new-tokens: must be an integer, got 'x'"),
+        "--batch-size": (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+        "--temperature": (["--temperature", "0"], "argument --temperature: must be above 0, got 0.0"),
+        "--top-p": (["--top-p", "1.5"], "argument --top-p: must be above 0 and at most 1, got 1.5"),
+        "--top-k": (["--top-k", "-1"], "argument --top-k: must be 0 or more, got -1"),
+        "--draft": (["--draft", "{tmp}/nope"], "{tmp}/nope: no such folder"),
+    },
+    "train": {
+        "--target": (["--target", "{tmp}/nope"], "--target {tmp}/nope: no such folder"),
+        "--dtype": (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        "--seed": (["--seed", "1.5"], "argument --seed: must be an integer, got '1.5'"),
+        "--data": (["--data", "{tmp}/missing.jsonl"], "--data {tmp}/missing.jsonl: no such file"),
+        "--out": (["--out", "{tmp}/rows.jsonl"], "argument --out: {tmp}/rows.jsonl exists and is not a folder"),
+        "--head": (["--head", "lstm"], "argument --head: invalid choice: 'lstm'"),
+        "--block-size": (["--block-size", "1"], "argument --block-size: must be from 2 to 256, got 1"),
+        "--layers": (["--layers", "0"], "argument --layers: must be at least 1, got 0"),
+        "--rank": (["--rank", "0"], "argument --rank: must be at least 1, got 0"),
+        "--steps": (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        "--stop-at": (["--steps", "10", "--stop-at", "20"], "--stop-at 20 is past --steps 10"),
+        "--lr": (["--lr", "inf"], "argument --lr: must be a finite number, got 'inf'"),
+        "--layers-lr": (["--layers-lr", "-1"], "argument --layers-lr: must be above 0, got -1.0"),
+        "--batch-size": (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+        "--anchors": (["--anchors", "0"], "argument --anchors: must be at least 1, got 0"),
+        "--max-length": (["--max-length", "0"], "argument --max-length: must be at least 1, got 0"),
+        "--save-every": (["--save-every", "0"], "argument --save-every: must be at least 1, got 0"),
+        "--feature-cache": (
+            ["--feature-cache", "{tmp}/rows.jsonl"],
+            "argument --feature-cache: {tmp}/rows.jsonl exists and is not a folder",
+        ),
+        "--mixed-precision": (["--mixed-precision", "fp8"], "argument --mixed-precision: invalid choice: 'fp8'"),
+        "--loss-weights": (["--loss-weights", "1", "-1", "1"], "argument --loss-weights: must be 0 or more, got -1.0"),
+        "--kd-weight": (["--kd-weight", "-0.5"], "argument --kd-weight: must be 0 or more, got -0.5"),
+        "--argmax-weight": (["--argmax-weight", "nan"], "argument --argmax-weight: must be a finite number, got 'nan'"),
+        "--draft-vocab": (["--draft-vocab", "-1"], "argument --draft-vocab: must be 0 or more, got -1"),
+    },
+    "calibrate": {
+        "--target": (["--target", "{tmp}/nope"], "--target {tmp}/nope: no such folder"),
+        "--dtype": (["--dtype", "half"], "argument --dtype: invalid choice: 'half'"),
+        "--seed": (["--seed", "-2"], "argument --seed: must be 0 or more, got -2"),
+        "--draft": (["--draft", "{tmp}/nope"], "{tmp}/nope: no such folder"),
+        "--data": (["--data", "{tmp}/missing.jsonl"], "--data {tmp}/missing.jsonl: no such file"),
+        "--prompts": (
+            ["calibrate", "--draft", "{draft}", "--source", "decode", "--prompts", "{tmp}/missing.jsonl"],
+            "prompt file {tmp}/missing.jsonl: no such file",
+        ),
+        "--limit": (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+        "--blocks": (["--blocks", "0"], "argument --blocks: must be at least 1, got 0"),
+        "--source": (["--source", "sampled"], "argument --source: invalid choice: 'sampled'"),
+        "--max-new-tokens": (["--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
+        "--objective": (["--objective", "mse"], "argument --objective: invalid choice: 'mse'"),
+    },
+    "eval": {
+        "--target": (["--target", "{tmp}/nope"], "--target {tmp}/nope: no such folder"),
+        "--dtype": (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+        "--seed": (["--seed", "x"], "argument --seed: must be an integer, got 'x'"),
+        "--draft": (["--draft", "{tmp}/nope"], "{tmp}/nope: no such folder"),
+        "--datasets": (["--datasets", "gsm8kk"], "unknown dataset 'gsm8kk'"),
+        "--limit": (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+        "--max-new-tokens": (["--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
+        "--temperatures": (["--temperatures", "0", "-1"], "argument --temperatures: must be 0 or more, got -1.0"),
+        "--verify-mode": (["--verify-mode", "auto"], "argument --verify-mode: invalid choice: 'auto'"),
+        "--lookup": (["--lookup", "65"], "argument --lookup: must be from 0 to 64, got 65"),
+        "--out": (["--out", "{tmp}/rows.jsonl"], "argument --out: {tmp}/rows.jsonl exists and is not a folder"),
+    },
+    "bench": {
+        "--target": (["--target", "{tmp}/nope"], "--target {tmp}/nope: no such folder"),
+        "--dtype": (["--dtype", "fp32"], "argument --dtype: invalid choice: 'fp32'"),
+        "--seed": (["--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
+        "--draft": (["--draft", "a={tmp}/nope"], "{tmp}/nope: no such folder"),
+        "--datasets": (["--datasets", "{tmp}/missing.jsonl"], "missing.jsonl does not exist"),
+        "--limit": (["--limit", "-3"], "argument --limit: must be at least 1, got -3"),
+        "--max-new-tokens": (["--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
+        "--gammas": (["--gammas", "4", "300"], "argument --gammas: must be from 1 to 256, got 300"),
+        "--lookup": (["--lookup", "-1"], "argument --lookup: must be from 0 to 64, got -1"),
+        "--lookup-min": (["--lookup", "2", "--lookup-min", "3"], "--lookup-min 3 is longer than --lookup 2"),
+        "--out": (["--out", "{tmp}/rows.jsonl"], "argument --out: {tmp}/rows.jsonl exists and is not a folder"),
+    },
+    "export": {
+        "--target": (["--target", "{tmp}/nope"], "--target {tmp}/nope: no such folder"),
+        "--dtype": (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+        "--seed": (["--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
+        "--draft": (["--draft", "{tmp}/nope"], "{tmp}/nope: no such folder"),
+        "--format": (["--format", "gguf"], "argument --format: invalid choice: 'gguf'"),
+        "--verifier": (["--verifier", "my model"], "argument --verifier: must be a Hub repository id like org/name"),
+        "--out": (["--out", "{tmp}/rows.jsonl"], "argument --out: {tmp}/rows.jsonl exists and is not a folder"),
+    },
+    "card": {
+        "--draft": (["--draft", "{tmp}/nope"], "{tmp}/nope: no such folder"),
+        "--name": (["--name", "a/b/c"], "argument --name: must be a Hub repository id like org/name, got 'a/b/c'"),
+        "--target-id": (["--target-id", "org/"], "argument --target-id: must be a Hub repository id like org/name"),
+        "--license": (["--license", ""], "argument --license: must not be empty"),
+    },
+    "push": {
+        "--draft": (["--draft", "{tmp}/nope"], "--draft {tmp}/nope: no such folder"),
+        "--repo": (["--repo", "org name"], "argument --repo: must be a Hub repository id like org/name"),
+        "--target-id": (["--target-id", "../x"], "argument --target-id: must be a Hub repository id like org/name"),
+        "--license": (["--license", " "], "argument --license: must not be empty"),
+        "--message": (["--message", ""], "argument --message: must not be empty"),
+    },
+    "demo": {
+        "--target": (["--target", "{tmp}/nope"], "--target {tmp}/nope: no such folder"),
+        "--draft": (["--draft", "{tmp}/nope"], "{tmp}/nope: no such folder"),
+        "--dtype": (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+        "--host": (["--host", "my host!"], "argument --host: must be an IP address or a host name, got 'my host!'"),
+        "--port": (["--port", "99999"], "argument --port: must be from 1 to 65535, got 99999"),
+    },
+}
+VALID = {  # the arguments each command needs, all valid: a bad value is the only thing wrong
+    "prepare": ["{tmp}/prompts.jsonl", "--out", "{tmp}/new.jsonl"],
+    "train": ["--data", "{tmp}/rows.jsonl", "--out", "{tmp}/run"],
+    "calibrate": ["--draft", "{draft}", "--data", "{tmp}/rows.jsonl"],
+    "eval": ["--draft", "{draft}"],
+    "bench": ["--draft", "{draft}"],
+    "export": ["--draft", "{draft}", "--out", "{tmp}/export"],
+    "card": ["--draft", "{draft}"],
+    "push": ["--draft", "{draft}", "--repo", "org/name"],
+    "demo": [],
+}
+
+
+def _valued_options(parser: argparse.ArgumentParser) -> list[str]:
+    """The options of ``parser`` that take a value (positionals by name), not help or on/off flags."""
+    return [a.option_strings[-1] if a.option_strings else a.dest for a in parser._actions
+            if not isinstance(a, argparse._HelpAction) and a.nargs != 0]  # fmt: skip
+
+
+def test_the_bad_value_table_covers_every_option_of_every_command():
+    commands = subcommands()
+    assert set(BAD_VALUES) == set(commands)
+    for name, parser in commands.items():
+        assert sorted(BAD_VALUES[name]) == sorted(_valued_options(parser)), name
+
+
+@pytest.mark.parametrize(("command", "option"), [(c, o) for c, table in BAD_VALUES.items() for o in table])
+def test_every_option_refuses_a_bad_value_before_anything_loads(no_model_loads, draft_folder, tmp_path, capsys,
+                                                                command, option):  # fmt: skip
+    """The issue's cases among them: `demo --port 99999` failed after ~70 s of loading, `eval --temperatures -1`
+    started evaluating 1,319 prompts."""
+    (tmp_path / "rows.jsonl").write_text('{"id": "0", "prompt_ids": [1, 2], "response_ids": [3]}\n')
+    (tmp_path / "prompts.jsonl").write_text('{"turns": ["hello"]}\n')
+    fill = lambda parts: [p.format(tmp=tmp_path, draft=draft_folder) for p in parts]  # noqa: E731
+    bad, message = BAD_VALUES[command][option]
+    argv = fill(bad) if bad[0] == command else [command, *fill(VALID[command]), *fill(bad)]
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    said = f"{exit_info.value.code if isinstance(exit_info.value.code, str) else ''}\n{capsys.readouterr().err}"
+    assert fill([message])[0] in said, said
+
+
+MAIN_BAD_VALUES = {
+    "--prompts": (["--prompts", "{tmp}/missing.jsonl"], "argument --prompts: {tmp}/missing.jsonl: no such file"),
+    "--limit": (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+    "--max-new-tokens": (["--max-new-tokens", "-5"], "argument --max-new-tokens: must be at least 1, got -5"),
+    "--threads": (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    "--dtype": (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    "--lookup": (["--lookup", "100"], "argument --lookup: must be from 0 to 64, got 100"),
+}
+
+
+def test_the_main_command_refuses_every_bad_value_before_loading(monkeypatch, tmp_path, capsys):
+    from hf_dspark import __main__ as main_command
+    from hf_dspark import embedded
+
+    monkeypatch.setattr(embedded, "load", lambda *a, **k: pytest.fail("loaded before the arguments were checked"))
+    assert sorted(MAIN_BAD_VALUES) == sorted(_valued_options(main_command.build_parser()))
+    for bad, message in MAIN_BAD_VALUES.values():
+        with pytest.raises(SystemExit) as exit_info:
+            main_command.main([part.format(tmp=tmp_path) for part in bad])
+        assert exit_info.value.code == 2
+        assert message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
 def test_debug_lets_the_traceback_through(no_model_loads, tmp_path):
