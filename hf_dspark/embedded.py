@@ -5,7 +5,9 @@ Everything here works offline: the target comes from site-packages, the draft fr
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 from pathlib import Path
 
 import torch
@@ -40,7 +42,8 @@ def load_target(dtype: torch.dtype = torch.float32, path: str | Path | None = No
     path = gguf_path() if path is None else Path(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    with _quiet_packed_weights_advice():
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     model.eval().requires_grad_(False)
     # transformers 5.17 reads this file's tokenizer with <|im_start|> as EOS and no pad token, newer releases with
     # the model's own <|im_end|> as both: take them from the model's generation config, the same on every release
@@ -49,6 +52,26 @@ def load_target(dtype: torch.dtype = torch.float32, path: str | Path | None = No
     tokenizer.pad_token = tokenizer.convert_ids_to_tokens(gen.pad_token_id if gen.pad_token_id is not None
                                                           else gen.eos_token_id)  # fmt: skip
     return model, tokenizer
+
+
+class _PackedWeightsAdvice(logging.Filter):
+    """Drops transformers' advice to load a GGUF "with its weights packed" in float32: this file's weights are
+    dequantised into plain ``nn.Linear`` layers in the dtype asked for (tests/test_smollm2.py checks it), so no
+    matmul casts anything, and bfloat16 is the fast choice on CPUs with bf16 units (:func:`fast_dtype`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "with its weights packed is fastest in float32" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_packed_weights_advice():
+    logger = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    advice = _PackedWeightsAdvice()
+    logger.addFilter(advice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(advice)
 
 
 def hub_id(model) -> str | None:

@@ -113,3 +113,15 @@ def test_main_command_explains_a_difference_and_stops_when_it_is_no_tie(monkeypa
     assert lines[-1].startswith("    parts at new token 11: ")
     assert "'banana'" in lines[-1] or "' banana'" in lines[-1]
     assert "bfloat16 " in lines[-1] and "float32 " in lines[-1] and lines[-1].endswith("NOT a tie")
+
+
+def test_bfloat16_load_is_plain_linear_layers_and_prints_no_float32_advice(capfd, caplog):
+    """transformers advises float32 for a GGUF "with its weights packed"; this file's weights are dequantised into
+    plain nn.Linear layers in the dtype asked for, so the advice would contradict ours (bfloat16 on bf16 CPUs)."""
+    from hf_dspark.embedded import load_target
+
+    model, _ = load_target(torch.bfloat16)
+    linears = [m for m in model.modules() if "Linear" in type(m).__name__]
+    assert linears and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16 for m in linears)
+    printed = capfd.readouterr()
+    assert "fastest in float32" not in printed.err + printed.out + caplog.text  # caplog: the logger's records
