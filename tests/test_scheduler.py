@@ -305,6 +305,42 @@ def test_table_interpolation_and_extrapolation():
         sps(0)
 
 
+def test_measuring_a_profile_shows_progress_and_where_it_is_cached(tmp_path, monkeypatch):
+    """The one-time timing (55 s to minutes on a loaded CPU) runs under a progress bar that names the cache folder,
+    counts every timed step, and is off where transformers' progress bars are off; the probe shows none."""
+    from transformers.utils import logging as hf_logging
+
+    bars = []
+
+    class Bar:
+        def __init__(self, **kw):
+            self.kw, self.steps = kw, 0
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n=1):
+            self.steps += n
+
+    monkeypatch.setattr(costs, "tqdm", Bar)
+    target = tiny_target("llama")
+    costs.measure_profile(target, grid=[1, 2, 4], context=8, reps=2, cache_dir=tmp_path)
+    shown = [b for b in bars if not b.kw["disable"]]
+    assert len(shown) == 1 and shown[0].kw["desc"] == f"timing the target's verify steps once (cached in {tmp_path})"
+    assert shown[0].kw["total"] == shown[0].steps == 3 * 3 and shown[0].kw["delay"] == 2.0
+    bars.clear()
+    hf_logging.disable_progress_bar()
+    try:
+        costs.measure_profile(target, grid=[1, 3], context=8, reps=1, cache_dir=tmp_path)
+    finally:
+        hf_logging.enable_progress_bar()
+    assert bars and all(b.kw["disable"] for b in bars)
+
+
 def test_measure_caches_and_rebuilds_corrupt_files(tmp_path, monkeypatch):
 
     target = tiny_target("llama")

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers.generation import LogitsProcessorList
+from transformers.utils.logging import is_progress_bar_enabled
 
 from ..decoding.drafting import DraftContext, draft_block
 from ..decoding.lm_head import head_orientation, verify_head
@@ -266,7 +268,10 @@ def measure_profile(
         except (ValueError, KeyError, TypeError, ZeroDivisionError):
             pass  # corrupt or from an older version: measure again and overwrite
     probe = probe_seconds(target, fresh=True) if path is not None else None  # the state the table is timed in
-    table = {B: 1.0 / seconds for B, seconds in time_verify_steps(target, grid, context, reps, rows).items()}
+    # a one-time cost (seconds idle, minutes on a loaded CPU): shown, with where its result is kept
+    label = f"timing the target's verify steps once (cached in {path.parent})" if path else "timing verify steps"
+    timed = time_verify_steps(target, grid, context, reps, rows, progress=label)
+    table = {B: 1.0 / seconds for B, seconds in timed.items()}
     running = float("inf")
     for B in grid:
         running = min(running, table[B])
@@ -290,14 +295,17 @@ def probe_seconds(target, fresh: bool = False) -> float:
 
 
 @torch.no_grad()
-def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5, rows: int = 1) -> dict[int, float]:
+def time_verify_steps(
+    target, grid: list[int], context: int = 256, reps: int = 5, rows: int = 1, progress: str | None = None
+) -> dict[int, float]:
     """Median seconds of one target forward over B new tokens after a ``context``-token cache, for B in ``grid``
     (random token ids; ``reps + 1`` passes over the whole grid, so drift hits every B alike, the first a warm-up).
     The call is the one the decoding loop makes (explicit positions, no hidden states returned). With ``rows`` > 1
     the B tokens are a [rows, B / rows] block on a batch of ``rows`` caches, the shape a padded batched verify
     has (every B must then be a multiple of ``rows``), under a 2-D attention mask with a padding hole as a
     left-padded batch carries (on CPU a masked step takes another attention path and costs differently).
-    Raw times: not made monotone."""
+    Raw times: not made monotone. ``progress``: a label for a progress bar (tqdm, on stderr, shown once the
+    timing has run for two seconds, off where transformers' progress bars are off)."""
     from transformers import DynamicCache
 
     from ..integration.versions import cache_argument
@@ -324,13 +332,16 @@ def time_verify_steps(target, grid: list[int], context: int = 256, reps: int = 5
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     forward(0, context)
     times: dict[int, list[float]] = {B: [] for B in grid}
-    for _ in range(reps + 1):
-        for B in grid:
-            W = B // rows
-            sync()
-            t0 = time.perf_counter()
-            forward(context, context + W)
-            sync()
-            times[B].append(time.perf_counter() - t0)
-            cache.crop(-W)
+    shown = progress is not None and is_progress_bar_enabled()
+    with tqdm(total=(reps + 1) * len(grid), desc=progress, unit="step", delay=2.0, disable=not shown) as bar:
+        for _ in range(reps + 1):
+            for B in grid:
+                W = B // rows
+                sync()
+                t0 = time.perf_counter()
+                forward(context, context + W)
+                sync()
+                times[B].append(time.perf_counter() - t0)
+                cache.crop(-W)
+                bar.update()
     return {B: statistics.median(t[1:]) for B, t in times.items()}
