@@ -73,20 +73,54 @@ class RoundRecorder(BaseStreamer):
         self.forward.end()
 
 
-def coloured(tokenizer, rounds: list[list[int]], looked_up: list[bool] | None = None) -> str:
+PARTED = "outline:2px solid #d00;outline-offset:1px"  # the token where DSpark's greedy output parts from plain's
+
+
+def coloured(
+    tokenizer, rounds: list[list[int]], looked_up: list[bool] | None = None, parted_at: int | None = None
+) -> str:
     """HTML of the DSpark output: per round, the accepted proposal (drafted or looked up) then the target's own
     token. ``rounds[0]`` is the prefill's token; ``looked_up[i]`` says whether round i + 1 verified a lookup
-    continuation (unknown rounds, while streaming, count as drafted)."""
+    continuation (unknown rounds, while streaming, count as drafted). ``parted_at``: the index of the new token where
+    the output parts from plain greedy, outlined in red with the reason one hover away."""
     looked_up = looked_up or []
-    parts = []
+    parts, index = [], 0
     for i, chunk in enumerate(rounds):
         accepted, own = (chunk[:-1], chunk[-1:]) if i > 0 else ([], chunk)  # round 0 is the prefill token
         proposer = LOOKED_UP if i > 0 and i - 1 < len(looked_up) and looked_up[i - 1] else DRAFTED
         for ids, colour in ((accepted, proposer), (own, TARGET)):
-            if ids:
-                text = html.escape(tokenizer.decode(ids, skip_special_tokens=True))
-                parts.append(f'<span style="background:{colour}">{text}</span>')
+            for piece, parted in _split_at(ids, parted_at - index if parted_at is not None else None):
+                text = html.escape(tokenizer.decode(piece, skip_special_tokens=True))
+                mark = f";{PARTED}" if parted else ""
+                title = ' title="DSpark parts from plain greedy here"' if parted else ""
+                parts.append(f'<span style="background:{colour}{mark}"{title}>{text}</span>')
+            index += len(ids)
     return PANE.format("".join(parts))
+
+
+def _split_at(ids: list[int], at: int | None) -> list[tuple[list[int], bool]]:
+    """``ids`` as (pieces, whether the piece is the token at index ``at``), empty pieces left out."""
+    if at is None or not 0 <= at < len(ids):
+        return [(ids, False)] if ids else []
+    pieces = [(ids[:at], False), (ids[at : at + 1], True), (ids[at + 1 :], False)]
+    return [(p, parted) for p, parted in pieces if p]
+
+
+def verdict(found, dtype: torch.dtype, tokenizer) -> str:
+    """The headline of a greedy comparison (markdown): identical to plain greedy, or where and why not.
+    ``found``: :func:`~hf_dspark.evaluation.ties.first_divergence`'s result (``None``: identical)."""
+    name = _dtype_name(dtype)
+    if found is None:
+        return f"### ✅ Identical to plain greedy, token for token ({name})"
+    line = found.describe(tokenizer)
+    if dtype in (torch.float32, torch.float64) or not found.tie:
+        return f"### ❌ Differs from plain greedy, and not at a near-tie: a bug, please report it\n{line}"
+    return (
+        f"### ⚠️ Parts from plain greedy at new token {found.index} (outlined in red): a {name} near-tie, not a bug\n"
+        f"{line}. In {name} a multi-token verify rounds differently from a one-token step, so a near-tie can flip "
+        "under any speculative decoder (transformers' prompt lookup too); float32 precision gives token-for-token "
+        "identical output."
+    )
 
 
 def legend_html() -> str:
@@ -130,20 +164,10 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
                 pairs[precision] = (target32, draft32)
             return pairs[precision]
 
-    def agreement(model, ids, out, reference) -> str:
-        """How the DSpark output compares with plain greedy's (greedy runs only)."""
-        strict = model.dtype in (torch.float32, torch.float64)
-        exact = None if strict else pair_for("float32")[0]
-        found = first_divergence(model, out, reference, exact, prompt_len=ids.shape[1])
-        if found is None:
-            return f"identical to plain greedy ({_dtype_name(model.dtype)})"
-        line = found.describe(tokenizer)
-        if strict or not found.tie:
-            return f"**differs from plain greedy, and not at a near-tie: a bug, please report it.** {line}"
-        return (
-            f"{line} ({_dtype_name(model.dtype)} rounds a multi-token verify differently from a one-token step; "
-            "choose float32 precision for token-for-token identical output)"
-        )
+    def divergence(model, ids, out, reference):
+        """Where the DSpark output first parts from plain greedy's (greedy runs only; ``None``: identical)."""
+        exact = None if model.dtype in (torch.float32, torch.float64) else pair_for("float32")[0]
+        return first_divergence(model, out, reference, exact, prompt_len=ids.shape[1])
 
     def stream(model, ids, gen_kwargs, dspark=None, settings=None):
         text_streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -218,11 +242,16 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
             raise gr.Error(f"DSpark generate failed: {fast['error']}")
         n_fast = fast["out"].shape[1] - ids.shape[1]
         stats = fast["stats"]
-        summary = (
+        found = None if sampling else divergence(model, ids, fast["out"], plain["out"])
+        headline = (
+            f"### Sampled (T = {float(temperature):g}): each output is a draw from the target's distribution\n"
+            if sampling
+            else verdict(found, model.dtype, tokenizer) + "\n\n"
+        )
+        summary = headline + (
             f"**speedup** {plain['seconds'] / fast['seconds'] * n_fast / max(n_plain, 1):.2f}× · "
             f"**τ** {stats.tau:.2f} tokens/round over {stats.rounds} rounds"
             + (f" ({sum(stats.looked_up)} looked up)" if lookup else "")
-            + ("" if sampling else f"  \n{agreement(model, ids, fast['out'], plain['out'])}")
         )
         acc = stats.position_acceptance()
         chart = {
@@ -231,7 +260,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
         }
         import pandas as pd
 
-        final = coloured(tokenizer, recorder.rounds, stats.looked_up)
+        final = coloured(tokenizer, recorder.rounds, stats.looked_up, found.index if found is not None else None)
         yield (
             plain_text,
             final,

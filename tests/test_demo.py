@@ -57,7 +57,8 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     assert plain_speed.startswith(f"**plain** · {n} tokens · **") and plain_speed.endswith(" tok/s**")
     assert dspark_speed.startswith(f"**DSpark** · {n} tokens · **") and "generating" not in dspark_speed
     assert "speedup" in stats and "τ" in stats
-    assert stats.endswith("identical to plain greedy (float32)")  # greedy in float32: compared, and equal
+    # greedy in float32: compared, and equal, said first, as a headline
+    assert stats.startswith("### ✅ Identical to plain greedy, token for token (float32)\n")
     assert chart["columns"] == ["position", "acceptance"]
     assert [row[0] for row in chart["data"]] == ["1", "2", "3", "4"]
     assert all(0.0 <= row[1] <= 1.0 for row in chart["data"])
@@ -100,6 +101,31 @@ def test_coloured_marks_each_round_by_its_proposer():
                      (DRAFTED, "ij"), (TARGET, "K")]  # fmt: skip
 
 
+def test_a_parted_output_is_the_headline_and_its_token_is_outlined():
+    """The first click's promise: the summary opens with whether the output is plain greedy's; where a bf16 output
+    parts at a near-tie, the headline says so and the parted token is outlined in the DSpark pane."""
+    from hf_dspark.demo.app import PARTED, coloured, verdict
+
+    from hf_dspark.evaluation.ties import Divergence
+
+    tokenizer = char_tokenizer()
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    tie = Divergence(3, enc("x")[0], enc("y")[0], {"bfloat16": (9.5, 9.53, 9.53), "float32": (9.51, 9.52, 9.52)}, True)
+    headline = verdict(tie, torch.bfloat16, tokenizer)
+    assert headline.startswith("### ⚠️ Parts from plain greedy at new token 3 (outlined in red): a bfloat16 near-tie")
+    assert "parts at new token 3: " in headline and "float32 precision gives token-for-token identical" in headline
+    assert verdict(None, torch.float32, tokenizer) == "### ✅ Identical to plain greedy, token for token (float32)"
+    for dtype, divergence in ((torch.float32, tie), (torch.bfloat16, Divergence(3, 1, 2, {}, False))):
+        assert verdict(divergence, dtype, tokenizer).startswith("### ❌ Differs from plain greedy, and not at a")
+    rounds = [enc("a"), enc("bcD"), enc("efG")]  # new tokens a b c D e f G: index 3 is "D", 4 is "e"
+    for at, text in ((3, "D"), (4, "e"), (0, "a")):
+        marked = __import__("re").findall(rf'<span style="background:#[0-9a-f]+;{PARTED}"[^>]*>([^<]*)<', coloured(
+            tokenizer, rounds, [False, False], parted_at=at))  # fmt: skip
+        assert marked == [text]
+    assert _text(coloured(tokenizer, rounds, [False, False], parted_at=4)) == "abcDefG"
+    assert PARTED not in coloured(tokenizer, rounds, [False, False])
+
+
 def test_float32_precision_runs_on_a_float32_copy(tmp_path):
     """A bfloat16 pair offers float32 one click away: the request runs on float32 copies of both models and its
     DSpark output equals plain float32 greedy token for token; the bf16 models are left as they were."""
@@ -129,7 +155,7 @@ def test_float32_precision_runs_on_a_float32_copy(tmp_path):
         exact.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :], skip_special_tokens=True
     )
     assert plain == expected and _text(dspark_html) == expected
-    assert stats.endswith("identical to plain greedy (float32)")
+    assert stats.startswith("### ✅ Identical to plain greedy, token for token (float32)\n")
     assert target.dtype == torch.bfloat16 and draft.dtype == torch.bfloat16
 
 
