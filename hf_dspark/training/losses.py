@@ -72,6 +72,8 @@ def _head_rows(draft: DSparkDraftModel, vocab: torch.Tensor) -> torch.Tensor:
     w2 = draft.sequential_head.markov_w2.weight
     if draft.config.head_vocab == "full":
         return w2[vocab]
+    if vocab is draft.draft_vocab:  # checked once by DSparkTrainingModule: no host sync per step
+        return w2
     if draft.draft_vocab is None or not torch.equal(vocab.to(draft.draft_vocab.device), draft.draft_vocab):
         raise ValueError(
             "this draft's head stores W2 for its draft vocabulary only (head_vocab='draft'): train over that same "
@@ -174,6 +176,7 @@ class DSparkTrainingModule(nn.Module):
                 raise ValueError(f"training vocab must be distinct token ids in [0, {V}), got {vocab.numel()} ids")
             vocab = vocab.sort().values
         self.register_buffer("vocab", vocab, persistent=False)
+        self._same_as_draft: bool | None = None  # whether vocab is the draft's own draft vocabulary (checked once)
 
     def forward(
         self, features, input_ids, valid, anchors, target_hidden, target_stats=None, target_wrote=None
@@ -182,9 +185,12 @@ class DSparkTrainingModule(nn.Module):
         text the target wrote (see :func:`block_losses`). Returns the weighted ``loss``, its components, and
         per-position acceptance estimates ``accept`` [γ] (mean soft label) and ``greedy_accept`` [γ] (argmaxes
         agree)."""
-        pred = block_predictions(
-            self.draft, features, input_ids, valid, anchors, target_hidden, self.vocab, target_stats
-        )
+        vocab = self.vocab
+        if vocab is not None and self.draft.draft_vocab is not None and vocab.shape == self.draft.draft_vocab.shape:
+            if self._same_as_draft is None:  # once: torch.equal reads the device, a host sync every step otherwise
+                self._same_as_draft = torch.equal(vocab, self.draft.draft_vocab.to(vocab.device))
+            vocab = self.draft.draft_vocab if self._same_as_draft else vocab
+        pred = block_predictions(self.draft, features, input_ids, valid, anchors, target_hidden, vocab, target_stats)
         decay = self.draft.config.loss_decay or self.draft.config.block_size
         return block_losses(pred, self.weights, decay, target_wrote)
 
