@@ -17,6 +17,7 @@
 """
 
 import argparse
+import copy
 import json
 import shutil
 from dataclasses import asdict
@@ -104,6 +105,8 @@ def run_history(run: Path) -> list[dict]:
         "layers_lr_scale": cfg.get("layers_lr_scale", 1.0),
         **recorded_data(recipe),
     }
+    if "command" in recipe:  # a run made by another recipe (the GPU window) says how it was made
+        entry.update(command=recipe["command"], batch_size=recipe.get("batch_size", 1))
     return [*runs_before(run), entry]
 
 
@@ -150,6 +153,9 @@ def train_command(head: str, chain: list[dict]) -> str:
     from the repository root."""
     parts = []
     for i, r in enumerate(chain):
+        if r.get("command"):
+            parts.append(r["command"])
+            continue
         cmd = f"python -m recipes.smollm2_train --head {head} --run {r['run']} --steps {r['steps']}"
         cmd += f" --anchors {r['anchors']}"
         if r.get("layers", 2) != 2:
@@ -190,24 +196,35 @@ def held_out_prompts(tokenizer) -> list[dict]:
     return [{"id": p.id, "prompt_ids": encode_prompt(tokenizer, p)} for p in prompts]
 
 
-def calibrate(folder: Path, how: str, blocks: int, objective: str = "ece") -> None:
-    """Step 3: fit the folder's STS temperatures (in place, each minimising ``objective``) and print the report."""
-    target, tokenizer = load_target(torch.bfloat16 if how == "decode" else torch.float32)
+def calibrate(folder: Path, how: str, blocks: int, objective: str = "ece", max_new_tokens: int = 128,
+              prompts: int | None = None, loaded: tuple | None = None) -> None:  # fmt: skip
+    """Step 3: fit the folder's STS temperatures (in place, each minimising ``objective``) and print the report.
+    ``loaded``: the (float32 target, tokenizer) already loaded (the GGUF takes ~15 s to load on a CPU); decode
+    calibration runs on a bfloat16 copy of it, the same weights as a bfloat16 load (both dequantise in float32)."""
+    dtype = torch.bfloat16 if how == "decode" else torch.float32
+    if loaded is None:
+        target, tokenizer = load_target(dtype)
+    else:
+        target, tokenizer = torch.nn.Module.to(copy.deepcopy(loaded[0]), dtype), loaded[1]
     if how == "decode":
-        rows = [r for r in held_out_prompts(tokenizer) if len(r["prompt_ids"]) <= 512]
+        rows = [r for r in held_out_prompts(tokenizer) if len(r["prompt_ids"]) <= 512][:prompts]
     else:
         rows = [r for r in load_dataset(ANSWERS) if is_held_out(r)]
-    report = calibrate_draft(target, folder, rows, blocks=blocks, source=how, objective=objective)
+    report = calibrate_draft(target, folder, rows, blocks=blocks, source=how, objective=objective,
+                             max_new_tokens=max_new_tokens)  # fmt: skip
     print(json.dumps(report, indent=1))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", default="run3k-markov")
     ap.add_argument("--head", default="markov")
     ap.add_argument("--checkpoint", type=int, default=None)
     ap.add_argument("--out", type=Path, default=DRAFT_DIR)
     ap.add_argument("--blocks", type=int, default=2000)
+    ap.add_argument("--calibration-tokens", type=int, default=128, help="new tokens per prompt in decode calibration")
+    ap.add_argument("--calibration-prompts", type=int, default=None, help="held-out prompts decoded (default: all)")
+    ap.add_argument("--state", type=Path, default=STATE, help="the folder holding the runs")
     ap.add_argument("--calibration", default="decode", choices=["decode", "teacher-forced"])
     ap.add_argument("--recalibrate", action="store_true", help="only refit the temperatures of --out")
     ap.add_argument("--objective", default="ece", choices=["ece", "brier"], help="what STS minimises per position")
@@ -218,12 +235,13 @@ def main() -> None:
     ap.add_argument("--lookup", type=int, default=3, help="the shipped config's lookup_max_ngram (0: off)")
     ap.add_argument("--lookup-tokens", type=int, default=None,
                     help="the shipped config's lookup_max_tokens (default: γ)")  # fmt: skip
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.recalibrate:
-        calibrate(args.out, args.calibration, args.blocks, args.objective)
+        calibrate(args.out, args.calibration, args.blocks, args.objective, args.calibration_tokens,
+                  args.calibration_prompts)  # fmt: skip
         write_card(args.out, name=args.name, target="HuggingFaceTB/SmolLM2-135M-Instruct")
         return
-    run = STATE / args.run
+    run = args.state / args.run
     target, tokenizer = load_target()
     draft, step = load_run(target, tokenizer, run, args.head, args.checkpoint)
     rows = run_rows(run, load_dataset(ANSWERS))  # the rows the run was pinned to, not what has been answered since
@@ -249,7 +267,10 @@ def main() -> None:
         chain = [*runs_before(run), unfinished_run(run, step)]
     anchors = chain[-1]["anchors"]
     steps = " + ".join(str(r["steps"]) for r in chain)
-    schedules = "; ".join(f"lr {r['lr']:g} warmup + cosine over {r['steps']} steps" for r in chain)
+    schedules = "; ".join(
+        f"lr {r['lr']:g} warmup + cosine over " + ("the wall clock" if r.get("command") else f"{r['steps']} steps")
+        for r in chain
+    )
     training = {
         "command": "python -m recipes.smollm2_prepare && "
         + train_command(args.head, chain)
@@ -258,12 +279,14 @@ def main() -> None:
         " instructions, ShareGPT) with answers regenerated by the target (T=0.7, top-p 0.8, top-k 20, ≤256 tokens):"
         f" {sum(len(r['response_ids']) for r in train_rows)} answer tokens;"
         f" {len(held_out)} held out (never trained on)",
-        "steps": f"{steps} (1 sequence x {anchors} anchor blocks per step, AdamW: {schedules}"
+        "steps": f"{steps} ({chain[-1].get('batch_size', 1)} sequence(s) x {anchors} anchor blocks per step, "
+        f"AdamW: {schedules}"
         + (", each later run a warm restart from the previous one's final draft" if len(chain) > 1 else "")
         + "; loss "
         + "; ".join(sorted({loss_terms(r) for r in chain}))
         + ")",
-        "hardware": f"CPU, {args.threads} thread(s), {cfg.get('s_per_step', '?')} s/step",
+        "hardware": f"{read_recipe(run).get('hardware', f'CPU, {args.threads} thread(s)')}, "
+        f"{cfg.get('s_per_step', '?')} s/step",
         "target weights": TARGET_WEIGHTS,
         **({"history": args.note} if args.note else {}),
         "runs": chain,  # structured, for a warm restart from this shipped draft (smollm2_train.py --init-from)
@@ -279,7 +302,8 @@ def main() -> None:
         else "the whole vocabulary",
     }
     (tmp / "training.json").write_text(json.dumps(training, indent=2))
-    calibrate(tmp, args.calibration, args.blocks, args.objective)
+    calibrate(tmp, args.calibration, args.blocks, args.objective, args.calibration_tokens, args.calibration_prompts,
+              loaded=(target, tokenizer))  # fmt: skip
     if args.out.exists():
         shutil.rmtree(args.out)
     tmp.rename(args.out)

@@ -117,3 +117,21 @@ def test_train_for_stops_at_its_deadline_and_keeps_the_best_weights(setup, monke
     assert result.best == kept[-1][0] and len(result.milestones) >= 3
     assert any("s_per_step" in line for line in logged)
     assert any(not torch.equal(v, kept[0][1][k]) for k, v in draft.state_dict().items() if v.is_floating_point())
+
+
+def test_a_resident_batch_gives_the_losses_of_the_online_path(setup):
+    """The same rows and anchors through the trainer's online path (the target's forward on the padded batch, the
+    statistics computed at the slots) and through the resident features: the same losses and acceptances."""
+    from hf_dspark.training.trainer import text_by_target
+
+    target, rows, draft = setup
+    vocab = torch.arange(0, 96, 3)
+    module = DSparkTrainingModule(draft, vocab=vocab)
+    resident = ResidentFeatures.compute(target, draft.config.target_layer_ids, rows, max_length=24)
+    batch = resident.sample(3, 8, random.Random(3), torch.Generator().manual_seed(3))
+    feats, final = target_outputs(target, draft.config.target_layer_ids, batch.input_ids, batch.valid)
+    online = module(feats, batch.input_ids, batch.valid, batch.anchors, final, None, batch.target_wrote)
+    held = batch.losses(module)
+    for key in ("loss", "ce", "tv", "conf", "greedy_accept", "accept"):
+        torch.testing.assert_close(held[key], online[key], atol=2e-4, rtol=2e-4)
+    assert text_by_target(rows, [7]).tolist() == [False]  # the row that says the target did not write it
