@@ -57,9 +57,10 @@ def render_card(draft_dir: str | Path, name: str | None = None, target: str | No
     )
     c, d = draft.config, draft.decoding
     report = load("calibration.json") or {}
+    by = {"ece": ", each minimising ECE", "brier": ", each minimising the Brier score"}.get(report.get("objective"), "")
     fitted_on = {
-        "decode": f" (fitted on {report.get('blocks')} blocks of greedy DSpark decoding in {report.get('dtype')})",
-        "teacher-forced": f" (fitted on {report.get('blocks')} teacher-forced held-out blocks)",
+        "decode": f" (fitted on {report.get('blocks')} blocks of greedy DSpark decoding in {report.get('dtype')}{by})",
+        "teacher-forced": f" (fitted on {report.get('blocks')} teacher-forced held-out blocks{by})",
     }.get(report.get("source"), "")
     return Template(_template()).substitute(
         name=name or folder.name,

@@ -115,3 +115,22 @@ def test_report_survival_by_hand():
     assert report["after"]["predicted_survival"] == pytest.approx([0.625, 0.375])
     halved = calibration_report(logits, accepted, [1.0, 1e9])  # T → ∞ pushes c_2 to ½
     assert halved["after"]["predicted_survival"] == pytest.approx([0.625, 0.3125])
+
+
+def test_the_shipped_calibration_is_a_fit_inside_its_grid_that_improves_the_head():
+    """A fit that ran into its grid's bound (all eight ECE temperatures at 31.6, Brier worse after than before) looks
+    broken to anyone who opens the checkpoint: the shipped temperatures lie inside the grid, and the fit improves
+    both scores it reports on its own blocks."""
+    import json
+
+    from hf_dspark.embedded import DRAFT_DIR
+    from hf_dspark.model.sts import DEFAULT_GRID
+
+    config = json.loads((DRAFT_DIR / "config.json").read_text())
+    report = json.loads((DRAFT_DIR / "calibration.json").read_text())
+    temps = config["sts_temperatures"]
+    assert temps == report["temperatures"] and len(temps) == config["block_size"]
+    assert all(min(DEFAULT_GRID) < t < max(DEFAULT_GRID) for t in temps), temps
+    assert report["after"]["mean_brier"] <= report["before"]["mean_brier"]
+    assert report["after"]["mean_ece"] <= report["before"]["mean_ece"]
+    assert (DRAFT_DIR / "reliability.png").read_bytes()[:4] == b"\x89PNG"

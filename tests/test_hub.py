@@ -93,11 +93,16 @@ def test_card_renders_config_and_results(tmp_path):
             {"data": "700 prompts", "steps": 1000, "target weights": "the Q4_1 GGUF of org/target", "runs": [{"lr": 1}]}
         )
     )
-    (tmp_path / "calibration.json").write_text(json.dumps({"source": "decode", "blocks": 4000, "dtype": "bfloat16"}))
+    (tmp_path / "calibration.json").write_text(
+        json.dumps({"source": "decode", "blocks": 4000, "dtype": "bfloat16", "objective": "brier"})
+    )
     card = render_card(tmp_path, name="org/draft", target="org/target")
     assert card.startswith("---\nlibrary_name: hf-dspark\nlicense: mit\nbase_model: org/target\n")
     assert "| block size γ | 4 |" in card and "| sequential head | markov (rank 8) |" in card
-    assert "per-position temperatures [1.5, 1.2, 1.1, 1.0] (fitted on 4000 blocks of greedy DSpark decoding in" in card
+    assert (
+        "per-position temperatures [1.5, 1.2, 1.1, 1.0] (fitted on 4000 blocks of greedy DSpark decoding in bfloat16, "
+        "each minimising the Brier score)"
+    ) in card
     assert "| draft vocabulary | 3 tokens (proposals restricted to them;" in card
     assert "| lookup drafting | off (`decoding.lookup_max_ngram = 3` turns it on) |" in card
     draft.decoding.lookup_max_ngram = 4
