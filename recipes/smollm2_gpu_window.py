@@ -151,13 +151,19 @@ def greedy_tau(target, tokenizer, draft: DSparkDraftModel, per_set: int, max_new
     return taus
 
 
+def target_gguf(parts_dir: Path, gguf: Path | None = None) -> Path:
+    """The target's GGUF: ``gguf`` itself, or the parts in ``parts_dir`` joined and checked into a temporary folder
+    (the gguf reader's wheel carried with them goes on the import path, for a machine that has no reader)."""
+    for wheel in sorted(parts_dir.glob("part-*/*.whl")):
+        sys.path.insert(0, str(wheel))
+    return gguf or join(parts_dir, Path(tempfile.mkdtemp()))
+
+
 def run(args) -> dict:
     """The device side: load, warm-start, compute features, evaluate, train on the clock, evaluate, summarise."""
     started = time.time()
     out = args.out
-    gguf = args.gguf or join(args.parts_dir, Path(tempfile.mkdtemp()))
-    for wheel in sorted(args.parts_dir.glob("part-*/*.whl")):  # the gguf reader, where the machine has none
-        sys.path.insert(0, str(wheel))
+    gguf = target_gguf(args.parts_dir, args.gguf)
     from hf_dspark.embedded import fast_dtype, load_target
 
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"

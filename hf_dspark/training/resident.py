@@ -240,12 +240,15 @@ def train_for(
     vocab: torch.Tensor | None,
     keep: Callable[[DSparkDraftModel, dict], None],
     log: Callable[[dict], None] = print,
+    max_steps: int | None = None,
 ) -> ClockResult:
     """Train ``draft`` (attached to its frozen target) on ``train`` for ``seconds`` of wall clock, over the draft
     vocabulary ``vocab`` (``None``: the whole one). The held-out τ proxy is measured at the start, every
     ``cfg.milestone_seconds`` and at the end; each time it beats the best so far, ``keep(draft, proxy)`` is called
     with the weights as they are then (the start counts: a run that never improves hands out its starting
-    weights). Returns a :class:`ClockResult`; ``draft`` holds the last step's weights."""
+    weights). ``max_steps`` also ends the run after that many steps, the schedule then following whichever budget
+    is further spent (an A/B at equal steps). Returns a :class:`ClockResult`; ``draft`` holds the last step's
+    weights."""
     device = train.ids.device
     module = DSparkTrainingModule(draft, cfg.loss_weights, vocab).to(device)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -268,9 +271,10 @@ def train_for(
     last_milestone = begin
     while True:
         now = time.monotonic()
-        if now - begin >= seconds:
+        if now - begin >= seconds or (max_steps is not None and result.steps >= max_steps):
             break
-        factor = cfg.lr_factor((now - begin) / seconds)
+        spent = (now - begin) / seconds if seconds > 0 else 1.0
+        factor = cfg.lr_factor(max(spent, result.steps / max_steps if max_steps else 0.0))
         for group in opt.param_groups:
             group["lr"] = cfg.lr * factor
         batch = train.sample(cfg.batch_size, cfg.anchors, rng, generator)
