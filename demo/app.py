@@ -9,11 +9,15 @@ drafted by the draft and accepted, looked up from the text and accepted (lookup 
 token (the correction after a rejection, or the bonus after a fully accepted block); a legend says so on the page.
 The defaults are the settings the benchmarks found fastest (scheduled verification with lookup drafting).
 
-``--dtype auto`` (the default, as in ``python -m hf_dspark``) runs bfloat16 on CPUs with native bf16 units. There a
-greedy output may part from plain greedy at a near-tie of the target's logits; the summary then says where, with
-both candidates' logits, judged by the rule `hf-dspark bench` applies (:mod:`hf_dspark.evaluation.ties`). The
-page's precision switch runs the same request in float32 (token for token identical to plain greedy) on a float32
-copy of both models, made on first use.
+The demo opens in float32 (``--dtype float32``, the default): its promise is DSpark's output token for token
+plain greedy's, and float32 keeps it while bfloat16 does not (a multi-token verify rounds differently from a
+one-token step, so a near-tie can flip). The choice was measured on the first example prompt as the page runs it
+(benchmarks/results/demo_precision/): on this project's 2-core CPU without bf16 units float32 gave 1.50× (τ 2.95,
+identical) against bfloat16's 1.00× (τ 1.38, parted at a near-tie); on a CPU with bf16 units an earlier run gave
+float32 1.30× against 1.22×. ``--dtype bfloat16`` (or ``auto``: bfloat16 where the CPU has bf16 units) is there for
+speed; its summary then says where and why an output parts from plain greedy, with both candidates' logits, judged
+by the rule `hf-dspark bench` applies (:mod:`hf_dspark.evaluation.ties`), and the page's precision switch runs the
+same request on a float32 copy of both models, made on first use.
 """
 
 from __future__ import annotations
@@ -277,7 +281,9 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
             "# DSpark speculative decoding vs plain `generate`\n"
             "The same target answers the same prompt twice: once token by token, once with a DSpark draft proposing "
             "blocks that the target verifies. The output distribution is the target's either way."
-        )
+            + ("" if loaded != "float32" else " Both run in float32, so greedy outputs are the same tokens, not just "
+               "the same distribution (bfloat16 can flip a near-tie of the logits).")
+        )  # fmt: skip
         prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt")
         gr.Examples(EXAMPLES, inputs=[prompt], label="Example prompts (code, math, repetition, open-ended chat)")
         with gr.Row():
@@ -312,7 +318,7 @@ def build_demo(target, tokenizer, draft: DSparkDraftModel) -> gr.Blocks:
     return demo
 
 
-def load_pair(target_spec: str, draft_spec: str | None, dtype: str = "auto"):
+def load_pair(target_spec: str, draft_spec: str | None, dtype: str = "float32"):
     """(target, tokenizer, draft): the embedded default, or folders/Hub ids; ``dtype`` as in ``--dtype``."""
     from hf_dspark import embedded
     from hf_dspark.cli import load_target
@@ -337,7 +343,7 @@ def warm(target, tokenizer, draft: DSparkDraftModel) -> None:
     print(f"one-time costs: SPS profile and draft cost {how} in {profile_s:.1f} s, first calls {first_s:.1f} s")
 
 
-def serve(target: str = "embedded", draft: str | None = None, dtype: str = "auto", host: str = "127.0.0.1",
+def serve(target: str = "embedded", draft: str | None = None, dtype: str = "float32", host: str = "127.0.0.1",
           port: int = 7860) -> None:  # fmt: skip
     """Load the pair, pay the one-time costs, and serve the page until interrupted."""
     pair = load_pair(target, draft, dtype)
@@ -350,10 +356,9 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--target", default="embedded", help="'embedded' (SmolLM2), a Hub id or a local folder")
     ap.add_argument("--draft", default=None, help="a draft folder or Hub id (default: the shipped draft)")
-    ap.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"],
-                    help="auto (default): bfloat16 on CPUs with native bf16 units (faster verify; greedy may part at "
-                    "near-ties of the logits, explained in the summary), else float32; float32: bit-identical to "
-                    "plain greedy")  # fmt: skip
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                    help="float32 (default): DSpark's output token for token plain greedy's; bfloat16 (auto: where the "
+                    "CPU has bf16 units) may part at near-ties of the logits, explained in the summary")  # fmt: skip
     ap.add_argument("--host", default="127.0.0.1", type=host, help="address to serve on (0.0.0.0: every interface)")
     ap.add_argument("--port", default=7860, type=port, help="port to serve on")
     args = ap.parse_args(argv)

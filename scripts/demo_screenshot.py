@@ -1,6 +1,6 @@
 """Retake docs/demo.png: the demo on the embedded default, one prompt, in headless Chromium.
 
-    python scripts/demo_screenshot.py [--example N] [--out docs/demo.png] [--dtype auto]
+    python scripts/demo_screenshot.py [--example N] [--out docs/demo.png] [--dtype float32]
 
 The page's defaults are used (greedy, 128 new tokens, the draft's block size, scheduled verification with lookup
 drafting); the prompt is picked from the page's examples by clicking it, as a visitor would; the one-time costs
@@ -22,7 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--example", type=int, default=0, help="which of the page's example prompts to click")
     ap.add_argument("--out", default="docs/demo.png")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
