@@ -80,52 +80,28 @@ def _float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _checked(parse, ok, rule: str):
+    """An argparse type: ``parse(text)``, refused unless ``ok(value)``, with the message "must be <rule>"."""
+
+    def check(text: str):
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
+        return value
+
+    return check
 
 
-def non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+positive_int = _checked(_int, lambda v: v >= 1, "at least 1")
+non_negative_int = _checked(_int, lambda v: v >= 0, "0 or more")
+positive_float = _checked(_float, lambda v: v > 0, "above 0")
+non_negative_float = _checked(_float, lambda v: v >= 0, "0 or more")
+probability = _checked(_float, lambda v: 0 < v <= 1, "above 0 and at most 1")
 
 
 def int_range(low: int, high: int):
     """An argparse type: an integer from ``low`` to ``high``."""
-
-    def parse(text: str) -> int:
-        value = _int(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
-        return value
-
-    parse.__name__ = f"int from {low} to {high}"
-    return parse
-
-
-def positive_float(text: str) -> float:
-    value = _float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def probability(text: str) -> float:
-    value = _float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {value}")
-    return value
+    return _checked(_int, lambda v: low <= v <= high, f"from {low} to {high}")
 
 
 def text(value: str) -> str:
