@@ -12,9 +12,10 @@ The defaults are the settings the benchmarks found fastest (scheduled verificati
 The demo opens in float32 (``--dtype float32``, the default): its promise is DSpark's output token for token
 plain greedy's, and float32 keeps it while bfloat16 does not (a multi-token verify rounds differently from a
 one-token step, so a near-tie can flip). The choice was measured on the first example prompt as the page runs it
-(benchmarks/results/demo_precision/): on this project's 2-core CPU without bf16 units float32 gave 1.50× (τ 2.95,
-identical) against bfloat16's 1.00× (τ 1.38, parted at a near-tie); on a CPU with bf16 units an earlier run gave
-float32 1.30× against 1.22×. ``--dtype bfloat16`` (or ``auto``: bfloat16 where the CPU has bf16 units) is there for
+(benchmarks/results/demo_precision/): on this project's 2-core CPU without bf16 units float32 gave 1.43× (τ 2.95,
+identical) against bfloat16's 0.76× (τ 1.72, parted at a near-tie), float32 was the faster on 3 of the 4 examples
+and bfloat16 parted from plain greedy on 3 of 4; on a CPU with bf16 units an earlier run gave float32 1.30× against
+1.22× on the first example. ``--dtype bfloat16`` (or ``auto``: bfloat16 where the CPU has bf16 units) is there for
 speed; its summary then says where and why an output parts from plain greedy, with both candidates' logits, judged
 by the rule `hf-dspark bench` applies (:mod:`hf_dspark.evaluation.ties`), and the page's precision switch runs the
 same request on a float32 copy of both models, made on first use.
@@ -115,12 +116,12 @@ def verdict(found, dtype: torch.dtype, tokenizer) -> str:
     ``found``: :func:`~hf_dspark.evaluation.ties.first_divergence`'s result (``None``: identical)."""
     name = _dtype_name(dtype)
     if found is None:
-        return f"### ✅ Identical to plain greedy, token for token ({name})"
+        return f"### Identical to plain greedy, token for token ({name})"
     line = found.describe(tokenizer)
     if dtype in (torch.float32, torch.float64) or not found.tie:
-        return f"### ❌ Differs from plain greedy, and not at a near-tie: a bug, please report it\n{line}"
+        return f"### Differs from plain greedy, and not at a near-tie: a bug, please report it\n{line}"
     return (
-        f"### ⚠️ Parts from plain greedy at new token {found.index} (outlined in red): a {name} near-tie, not a bug\n"
+        f"### Parts from plain greedy at new token {found.index} (outlined in red): a {name} near-tie, not a bug\n"
         f"{line}. In {name} a multi-token verify rounds differently from a one-token step, so a near-tie can flip "
         "under any speculative decoder (transformers' prompt lookup too); float32 precision gives token-for-token "
         "identical output."

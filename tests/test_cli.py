@@ -52,7 +52,7 @@ def test_decoding_commands_default_to_the_dtype_the_main_command_uses():
         assert commands[name].get_default("dtype") == "auto", name
     assert commands["export"].get_default("format") == "speculators"
     # the demo's first click must show what we promise (outputs token for token plain greedy's): float32, chosen by
-    # benchmarks/demo_precision.py (float32 was the faster of the two on its first example where measured)
+    # benchmarks/demo_precision.py (float32 was the faster of the two on the first example wherever measured)
     assert commands["demo"].get_default("dtype") == "float32"
 
 

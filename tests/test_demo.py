@@ -58,7 +58,7 @@ def test_api_compare_gives_identical_outputs_and_speed_figures(running_demo):
     assert dspark_speed.startswith(f"**DSpark** · {n} tokens · **") and "generating" not in dspark_speed
     assert "speedup" in stats and "τ" in stats
     # greedy in float32: compared, and equal, said first, as a headline
-    assert stats.startswith("### ✅ Identical to plain greedy, token for token (float32)\n")
+    assert stats.startswith("### Identical to plain greedy, token for token (float32)\n")
     assert chart["columns"] == ["position", "acceptance"]
     assert [row[0] for row in chart["data"]] == ["1", "2", "3", "4"]
     assert all(0.0 <= row[1] <= 1.0 for row in chart["data"])
@@ -112,11 +112,11 @@ def test_a_parted_output_is_the_headline_and_its_token_is_outlined():
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     tie = Divergence(3, enc("x")[0], enc("y")[0], {"bfloat16": (9.5, 9.53, 9.53), "float32": (9.51, 9.52, 9.52)}, True)
     headline = verdict(tie, torch.bfloat16, tokenizer)
-    assert headline.startswith("### ⚠️ Parts from plain greedy at new token 3 (outlined in red): a bfloat16 near-tie")
+    assert headline.startswith("### Parts from plain greedy at new token 3 (outlined in red): a bfloat16 near-tie")
     assert "parts at new token 3: " in headline and "float32 precision gives token-for-token identical" in headline
-    assert verdict(None, torch.float32, tokenizer) == "### ✅ Identical to plain greedy, token for token (float32)"
+    assert verdict(None, torch.float32, tokenizer) == "### Identical to plain greedy, token for token (float32)"
     for dtype, divergence in ((torch.float32, tie), (torch.bfloat16, Divergence(3, 1, 2, {}, False))):
-        assert verdict(divergence, dtype, tokenizer).startswith("### ❌ Differs from plain greedy, and not at a")
+        assert verdict(divergence, dtype, tokenizer).startswith("### Differs from plain greedy, and not at a")
     rounds = [enc("a"), enc("bcD"), enc("efG")]  # new tokens a b c D e f G: index 3 is "D", 4 is "e"
     for at, text in ((3, "D"), (4, "e"), (0, "a")):
         marked = __import__("re").findall(rf'<span style="background:#[0-9a-f]+;{PARTED}"[^>]*>([^<]*)<', coloured(
@@ -155,7 +155,7 @@ def test_float32_precision_runs_on_a_float32_copy(tmp_path):
         exact.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :], skip_special_tokens=True
     )
     assert plain == expected and _text(dspark_html) == expected
-    assert stats.startswith("### ✅ Identical to plain greedy, token for token (float32)\n")
+    assert stats.startswith("### Identical to plain greedy, token for token (float32)\n")
     assert target.dtype == torch.bfloat16 and draft.dtype == torch.bfloat16
 
 
