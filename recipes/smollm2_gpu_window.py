@@ -54,8 +54,9 @@ EVAL_SETS = ("humaneval", "gsm8k", "mt-bench")
 
 def window_training() -> ClockTraining:
     """The window's optimisation: a warm restart (peak lr 1e-3, a third of the first run's 3e-3), 32 sequences ×
-    96 anchors a step; the loss is the CE-heavy recipe's (``--loss``; docs/training.md says how it was chosen)."""
-    return ClockTraining(lr=1e-3, batch_size=32, anchors=96, loss_weights=LOSSES["ce-heavy"])
+    96 anchors a step; the paper's loss, which the A/B of warm restarts at equal steps chose
+    (benchmarks/results/training/window_loss_ab/; ``--loss`` picks the other)."""
+    return ClockTraining(lr=1e-3, batch_size=32, anchors=96, loss_weights=LOSSES["paper"])
 
 
 LOSSES = {  # the two candidates of the A/B (docs/training.md, "The window's loss")
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parts-dir", type=Path, default=PARTS)
     p.add_argument("--gguf", type=Path, default=None, help="the target's GGUF itself, instead of --parts-dir")
     p.add_argument("--init", type=Path, default=DRAFT_DIR, help="the draft to continue (the shipped one)")
-    p.add_argument("--loss", default="ce-heavy", choices=sorted(LOSSES))
+    p.add_argument("--loss", default="paper", choices=sorted(LOSSES))
     p.add_argument("--lr", type=float, default=window_training().lr)
     p.add_argument("--batch-size", type=int, default=window_training().batch_size)
     p.add_argument("--anchors", type=int, default=window_training().anchors)

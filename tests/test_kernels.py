@@ -257,6 +257,9 @@ def test_a_head_added_from_outside_runs_through_drafting_kernels_and_exports_by_
     target = tiny_target("llama")
     torch.manual_seed(0)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="tanh", head_rank=8)
+    # every block verified whole: scheduled rounds follow wall time (cost recalibration), and a loaded machine then
+    # drafts in one call where it backed off in the other, so their confidences could not be compared round by round
+    draft.decoding.verify_mode = "fixed"
     with torch.no_grad():
         draft.sequential_head.markov_w2.weight.normal_(0, 1.0)
     ids = torch.tensor([[5, 9, 14, 3, 77]])

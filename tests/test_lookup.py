@@ -50,12 +50,13 @@ def test_one_hot_probs():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"lookup_max_ngram": -1}, "lookup_max_ngram must be an int >= 0"),
+        ({"lookup_max_ngram": -1}, r"lookup_max_ngram must be an int from 0 \(off\) to 64, got -1"),
+        ({"lookup_max_ngram": 65}, r"lookup_max_ngram must be an int from 0 \(off\) to 64, got 65"),
         ({"lookup_max_ngram": 2, "lookup_min_ngram": 3}, r"lookup_min_ngram must be an int between 1 and .*\(2\)"),
         ({"lookup_max_ngram": 2, "lookup_min_ngram": 0}, "lookup_min_ngram must be an int between 1"),
-        ({"lookup_max_tokens": 0}, r"lookup_max_tokens must be an int >= 1 \(or None: γ\), got 0"),
-        ({"lookup_max_tokens": 2.5}, "lookup_max_tokens must be an int >= 1"),
-        ({"lookup_max_tokens": True}, "lookup_max_tokens must be an int >= 1"),
+        ({"lookup_max_tokens": 0}, r"lookup_max_tokens must be an int from 1 to 256 \(or None: γ\), got 0"),
+        ({"lookup_max_tokens": 2.5}, "lookup_max_tokens must be an int from 1 to 256"),
+        ({"lookup_max_tokens": True}, "lookup_max_tokens must be an int from 1 to 256"),
         ({"lookup_adaptive": 1}, "lookup_adaptive must be True or False, got 1"),
         ({"lookup_adaptive": "yes"}, "lookup_adaptive must be True or False"),
     ],
@@ -65,12 +66,14 @@ def test_config_refuses_bad_lookup_fields(fields, message):
         DSparkConfig(**fields)
 
 
-def test_generate_refuses_bad_lookup_fields_set_on_a_loaded_draft():
+def test_bad_lookup_fields_set_on_a_loaded_draft_are_refused_where_they_are_set():
     target = tiny_target()
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
-    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 2, 5
-    with pytest.raises(ValueError, match="lookup_min_ngram"):
-        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, assistant_model=draft)
+    draft.decoding.lookup_max_ngram = 2
+    with pytest.raises(ValueError, match=r"lookup_min_ngram must be an int between 1 and lookup_max_ngram \(2\)"):
+        draft.decoding.lookup_min_ngram = 5
+    assert draft.decoding.lookup_min_ngram == 2  # the old value stays, and generate runs with it
+    target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, assistant_model=draft)
 
 
 def test_lookup_fields_survive_save_and_load(tmp_path):
