@@ -54,6 +54,17 @@ def sample_counts(target, draft, gen_kwargs, n=SAMPLES, seed=0, custom_generate=
     return counts
 
 
+def noisy_markov_draft(target, seed: int = 1):
+    """A fixed-verify Markov draft with random (not neutral) W2, so the head moves the proposals: the draft of the
+    chi-square tests, which then exercise rejection sampling at every slot."""
+    draft = hf_dspark.DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
+    draft.decoding.verify_mode = "fixed"
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 2.0)
+    return draft
+
+
 CASES = {
     "temperature": dict(temperature=0.7, top_k=0, top_p=1.0),
     "top-k-top-p": dict(temperature=1.3, top_k=4, top_p=0.8),

@@ -3,7 +3,7 @@ with hf-dspark's ``assistant_model`` patch switched off, so nothing but the publ
 
 import pytest
 import torch
-from helpers import ALPHA, CASES, chi_square_pvalue, exact_distribution, processors, sample_counts
+from helpers import ALPHA, CASES, chi_square_pvalue, exact_distribution, noisy_markov_draft, processors, sample_counts
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -125,11 +125,7 @@ def test_sampling_matches_target_distribution_without_the_patch():
 
     kw = CASES["top-k-top-p"]
     target = tiny_target("llama", vocab_size=VOCAB, dtype=torch.float64, seed=3, tie_word_embeddings=False)
-    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
-    draft.decoding.verify_mode = "fixed"
-    torch.manual_seed(1)
-    with torch.no_grad():
-        draft.sequential_head.markov_w2.weight.normal_(0, 2.0)
+    draft = noisy_markov_draft(target)
     probs = exact_distribution(target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw, custom_generate=True)
     assert chi_square_pvalue(counts, probs) > ALPHA

@@ -7,7 +7,16 @@ logits in float16 overflows on a real vocabulary (SmolLM2: logits up to ~38, a r
 
 import pytest
 import torch
-from helpers import ALPHA, CASES, VOCAB, chi_square_pvalue, exact_distribution, processors, sample_counts
+from helpers import (
+    ALPHA,
+    CASES,
+    VOCAB,
+    chi_square_pvalue,
+    exact_distribution,
+    noisy_markov_draft,
+    processors,
+    sample_counts,
+)
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.decoding.checks import check_finite
@@ -78,11 +87,7 @@ def test_float16_sampling_matches_the_target_distribution():
     torch.set_num_threads(1)
     target = tiny_target("llama", vocab_size=VOCAB, dtype=torch.float16, seed=3, tie_word_embeddings=False)
     kw = CASES["top-k-top-p"]
-    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=4)
-    draft.decoding.verify_mode = "fixed"
-    torch.manual_seed(1)
-    with torch.no_grad():
-        draft.sequential_head.markov_w2.weight.normal_(0, 2.0)
+    draft = noisy_markov_draft(target)
     probs = exact_distribution(target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw, n=1000)
     assert chi_square_pvalue(counts, probs) > ALPHA
