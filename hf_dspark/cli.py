@@ -426,7 +426,9 @@ def cmd_demo(args) -> None:
     try:
         from .demo.app import serve
     except ImportError as e:
-        raise SystemExit(f"the demo needs Gradio: pip install 'hf-dspark[demo]' ({e})") from e
+        raise SystemExit(
+            f"the demo needs Gradio: pip install gradio gradio_client pandas, the package's demo extra ({e})"
+        ) from e
     if args.draft is not None:
         check_draft(args.draft)
     check_target(args.target)

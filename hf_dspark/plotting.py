@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-PLOTS_HINT = "pip install 'hf-dspark[plots]'"
+PLOTS_HINT = "pip install matplotlib, the package's plots extra"
 
 
 def pyplot(path: str | Path):

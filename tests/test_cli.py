@@ -320,5 +320,5 @@ def test_demo_without_gradio_says_which_extra(monkeypatch, draft_folder):
 
     monkeypatch.delitem(sys.modules, "hf_dspark.demo.app", raising=False)
     monkeypatch.setattr(builtins, "__import__", no_gradio)
-    with pytest.raises(SystemExit, match=r"the demo needs Gradio: pip install 'hf-dspark\[demo\]'"):
+    with pytest.raises(SystemExit, match=r"the demo needs Gradio: pip install gradio gradio_client pandas, the"):
         cli.main(["demo", "--draft", str(draft_folder)])

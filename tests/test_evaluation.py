@@ -119,7 +119,8 @@ def test_commands_that_plot_finish_without_matplotlib(tmp_path, monkeypatch, cap
           "humaneval", "--limit", "1", "--max-new-tokens", "4", "--gammas", "--out", str(out)])  # fmt: skip
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]
     err = capsys.readouterr().err
-    note = f"note: matplotlib is not installed, so {out / 'speedup.png'} is not drawn (pip install 'hf-dspark[plots]')"
+    hint = "pip install matplotlib, the package's plots extra"
+    note = f"note: matplotlib is not installed, so {out / 'speedup.png'} is not drawn ({hint})"
     assert note in err.splitlines()
     results = [{"dataset": "gsm8k", "temperature": 0.0, "tau": 2.0, "position_acceptance": [0.5]}]
     assert plot_acceptance(results, tmp_path / "a.png") is None and plot_tau(results, tmp_path / "t.png") is None
