@@ -115,11 +115,12 @@ class ResidentFeatures:
                 longest = max(longest, len(seqs[j][0]))
                 j += 1
             batch = [s for s, _ in seqs[i:j]]
-            x = torch.zeros(len(batch), longest, dtype=torch.long, device=device)
-            valid = torch.zeros(len(batch), longest, dtype=torch.bool, device=device)
-            for b, s in enumerate(batch):
-                x[b, : len(s)] = torch.tensor(s, device=device)
+            x = torch.zeros(len(batch), longest, dtype=torch.long)
+            valid = torch.zeros(len(batch), longest, dtype=torch.bool)
+            for b, s in enumerate(batch):  # built on the host, moved in one copy per batch
+                x[b, : len(s)] = torch.tensor(s)
                 valid[b, : len(s)] = True
+            x, valid = x.to(device), valid.to(device)
             feats, hidden = target_outputs(target, layer_ids, x, valid)
             at = int(starts[i])
             n = int(valid.sum())
