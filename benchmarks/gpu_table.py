@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("the GPU table needs CUDA")
     gguf = args.gguf
     if gguf is None and any(args.parts_dir.glob("part-*/manifest.json")):
-        from recipes.smollm2_gpu_window import target_gguf
+        from recipes.smollm2_gpu_oneshot import target_gguf
 
         gguf = target_gguf(args.parts_dir)
     target, tokenizer = load_target(torch.bfloat16, gguf)

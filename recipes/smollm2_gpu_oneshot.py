@@ -139,6 +139,14 @@ def join(parts_dir: Path, out_dir: Path) -> Path:
     return path
 
 
+def target_gguf(parts_dir: Path, gguf: Path | None = None) -> Path:
+    """The target's GGUF: ``gguf`` itself, or the parts in ``parts_dir`` joined and checked into a temporary folder
+    (the gguf reader's wheel carried with them goes on the import path, for a machine that has no reader)."""
+    for wheel in sorted(parts_dir.glob("part-*/*.whl")):
+        sys.path.insert(0, str(wheel))
+    return gguf or join(parts_dir, Path(tempfile.mkdtemp()))
+
+
 def regenerate_for(target, tokenizer, prompts, done: set[str], out: Path, plan: OneShotPlan) -> list[dict]:
     """Answer the ``prompts`` whose ids are not in ``done``, a batch-sized chunk at a time, until
     ``plan.regen_seconds`` have passed; rows go to ``out`` (JSONL), and are returned."""
@@ -237,10 +245,7 @@ def cmd_run(args) -> None:
     started = time.time()
     plan = replace(OneShotPlan(), seconds=args.seconds, regen_seconds=args.regen_seconds, regen_batch=args.regen_batch,
                    references=args.references)  # fmt: skip
-    workdir = Path(tempfile.mkdtemp())
-    gguf = join(args.parts_dir, workdir)
-    for wheel in sorted(args.parts_dir.glob("part-*/*.whl")):  # pure-Python readers import from the wheel itself
-        sys.path.insert(0, str(wheel))
+    gguf = target_gguf(args.parts_dir)
     from hf_dspark.embedded import load_target
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -42,7 +40,7 @@ from hf_dspark.evaluation.evaluate import chat_ids, load_prompts
 from hf_dspark.training.data import left_pad, load_dataset
 from hf_dspark.training.losses import LossWeights
 from hf_dspark.training.resident import ClockTraining, ResidentFeatures, train_for
-from recipes.smollm2_gpu_oneshot import FILE_LIMIT, MAX_FILES, PARTS, join, sha256
+from recipes.smollm2_gpu_oneshot import FILE_LIMIT, MAX_FILES, PARTS, sha256, target_gguf
 from recipes.smollm2_prepare import ANSWERS
 from recipes.smollm2_train import STATE, is_held_out, shipped_runs
 
@@ -150,14 +148,6 @@ def greedy_tau(target, tokenizer, draft: DSparkDraftModel, per_set: int, max_new
                               return_dict_in_generate=True)  # fmt: skip
         taus[name] = round(out.dspark_stats.tau, 3)
     return taus
-
-
-def target_gguf(parts_dir: Path, gguf: Path | None = None) -> Path:
-    """The target's GGUF: ``gguf`` itself, or the parts in ``parts_dir`` joined and checked into a temporary folder
-    (the gguf reader's wheel carried with them goes on the import path, for a machine that has no reader)."""
-    for wheel in sorted(parts_dir.glob("part-*/*.whl")):
-        sys.path.insert(0, str(wheel))
-    return gguf or join(parts_dir, Path(tempfile.mkdtemp()))
 
 
 def run(args) -> dict:
