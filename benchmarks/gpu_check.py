@@ -100,7 +100,7 @@ def decode_check(shape: str, device: str, dtype: torch.dtype, n: int, new_tokens
 def cost_check(shape: str, device: str, new_tokens: int) -> dict:
     """SPS profile on the device, draft block vs verify step, and peak memory of generate (CUDA)."""
     from hf_dspark import dspark_generate
-    from hf_dspark.scheduling.costs import draft_seconds, sps_profile, tree_draft_seconds
+    from hf_dspark.decoding.costs import draft_seconds, sps_profile, tree_draft_seconds
 
     target, draft = build(shape, device, torch.bfloat16 if device == "cuda" else torch.float32)
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from hf_dspark import DSparkDraftModel
-from hf_dspark.scheduling.costs import draft_seconds, measured_draft_seconds, sps_profile, tree_draft_seconds
+from hf_dspark.decoding.costs import draft_seconds, measured_draft_seconds, sps_profile, tree_draft_seconds
 from hf_dspark.scheduling.policy import SPSProfile
 
 

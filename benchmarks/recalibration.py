@@ -42,10 +42,10 @@ import hf_dspark
 from benchmarks.lookup_length import held_out_texts
 from hf_dspark import DSparkDraftModel
 from hf_dspark.__main__ import SAMPLE_PROMPTS
-from hf_dspark.decoding import loop
+from hf_dspark.decoding import chain
+from hf_dspark.decoding.costs import measured_draft_seconds, round_prices
 from hf_dspark.embedded import DRAFT_DIR, load_target
 from hf_dspark.evaluation.evaluate import chat_ids, load_prompts
-from hf_dspark.scheduling.costs import measured_draft_seconds, round_prices
 from hf_dspark.scheduling.policy import SPSProfile
 from hf_dspark.scheduling.recalibration import AcceptanceRecalibration
 
@@ -69,21 +69,21 @@ def parse_variant(spec: str) -> tuple[bool, dict]:
 def priced_call(target, draft, ids, recalibrate: bool, kwargs: dict, sps: SPSProfile, draft_s: float, new: int):
     """One greedy DSpark call under a recalibration variant -> (output ids, priced seconds, committed, rounds)."""
     ran_draft = []
-    original = loop.draft_block
+    original = chain.draft_block
 
     def counting(draft_, context, histories, anchors, max_tokens, *args, **kw):
         ran_draft.append(max_tokens > 0)
         return original(draft_, context, histories, anchors, max_tokens, *args, **kw)
 
-    loop.draft_block = counting
-    loop.AcceptanceRecalibration = functools.partial(AcceptanceRecalibration, **kwargs)
+    chain.draft_block = counting
+    chain.AcceptanceRecalibration = functools.partial(AcceptanceRecalibration, **kwargs)
     try:
         out = target.generate(
             ids, custom_generate=hf_dspark.dspark_generate, draft=draft, confidence_recalibration=recalibrate,
             max_new_tokens=new, do_sample=False,
         )  # fmt: skip
     finally:
-        loop.draft_block, loop.AcceptanceRecalibration = original, AcceptanceRecalibration
+        chain.draft_block, chain.AcceptanceRecalibration = original, AcceptanceRecalibration
     stats = draft.stats
     widths = [1 + lengths[0] for lengths in stats.verify_rounds]
     seconds = sum(1 / sps(w) for w in widths) + draft_s * sum(ran_draft)

@@ -29,10 +29,9 @@ from pathlib import Path
 import torch
 
 from hf_dspark import DSparkDraftModel, dspark_generate, embedded, measure_sps
-from hf_dspark.decoding import loop
+from hf_dspark.decoding import chain, costs
 from hf_dspark.evaluation.evaluate import load_prompts
 from hf_dspark.evaluation.readme import replace_block
-from hf_dspark.scheduling import costs
 
 DOMAINS = ["gsm8k", "humaneval", "mt-bench", "mbpp", "math500"]
 
@@ -70,7 +69,7 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
     In reduced precision a row's output can part from plain greedy's at a logit tie (see ``hf-dspark bench``);
     from then on the reference no longer predicts acceptance, so that row verifies every draft token it may
     (its cap), and its index is added to ``diverged``. In float32 no row diverges."""
-    real_draft, real_choose = loop.draft_block, loop.choose_lengths
+    real_draft, real_choose = chain.draft_block, chain.choose_lengths
     seen = {}
 
     def draft_block(draft, context, histories, *args, **kwargs):
@@ -95,11 +94,11 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
             lengths.append(n)
         return lengths
 
-    loop.draft_block, loop.choose_lengths = draft_block, choose_lengths
+    chain.draft_block, chain.choose_lengths = draft_block, choose_lengths
     try:
         yield
     finally:
-        loop.draft_block, loop.choose_lengths = real_draft, real_choose
+        chain.draft_block, chain.choose_lengths = real_draft, real_choose
 
 
 # each row its own token tree: (top-K children per node, most nodes a row verifies per round)
@@ -285,7 +284,7 @@ def main() -> None:
         gamma = draft.config.num_draft_tokens
         # the profiles generate uses: one per batch size, on the [R, 1 + ℓ] shapes it verifies, including the
         # power-of-two sizes a batch shrinks through as rows finish; measured before any timing starts
-        sizes = sorted({loop.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
+        sizes = sorted({costs.profile_rows(n, R) for R in args.rows for n in range(1, R + 1)})
         measure_sps(draft, *sizes)  # and the draft block's own cost per size, which the scheduler adds to each round
         sps = {R: costs.sps_profile(draft, target, R).table for R in sizes}
         wanted = {base_mode(name) for name in args.modes or TREE_MODES}

@@ -27,14 +27,22 @@ import torch
 
 import hf_dspark
 from hf_dspark import DSparkDraftModel
-from hf_dspark.decoding import loop
+from hf_dspark.decoding import chain, loop, state, tree_rounds
 from hf_dspark.embedded import DRAFT_DIR, load_target
 from hf_dspark.evaluation.evaluate import chat_ids, load_prompts
 
 from .pinned_costs import pin_costs
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMED = {loop: ["prefill", "target_forward", "draft_block", "propose_trees"], loop.DecodeState: ["keep_paths"]}
+# each function is wrapped where the round that calls it looks it up (the prefill's forward too: it is subtracted)
+TIMED = {
+    loop: ["prefill"],
+    state: ["target_forward"],
+    chain: ["target_forward", "draft_block"],
+    tree_rounds: ["target_forward", "propose_trees"],
+    state.DecodeState: ["keep_paths"],
+}
+NAMES = list(dict.fromkeys(name for names in TIMED.values() for name in names))
 
 
 def timers(spent: Counter) -> None:
@@ -75,7 +83,7 @@ def main() -> None:
     methods = {"chain": {"tree_top_k": 1}, f"tree{args.top_k}": tree, f"tree{args.top_k}-whole": {**tree, "whole": 1}}
     spent: Counter = Counter()
     timers(spent)
-    head, settled = draft.sequential_head, loop.TreeSchedule.settled
+    head, settled = draft.sequential_head, tree_rounds.TreeSchedule.settled
     real_step = head.step
 
     def counted_step(*args, **kwargs):
@@ -86,7 +94,7 @@ def main() -> None:
 
     def run(ids, max_new_tokens, settings):
         settings = dict(settings)
-        loop.TreeSchedule.settled = (lambda *a: False) if settings.pop("whole", 0) else settled
+        tree_rounds.TreeSchedule.settled = (lambda *a: False) if settings.pop("whole", 0) else settled
         return target.generate(ids, custom_generate=hf_dspark.dspark_generate, draft=draft, verify_mode="scheduled",
                                max_new_tokens=max_new_tokens, do_sample=False, **settings)  # fmt: skip
 
@@ -117,7 +125,7 @@ def main() -> None:
             # the prompt's prefill (one target forward a call) is left out of every per-round figure
             t["target_forward"] -= t["prefill"]
             t["seconds"] -= t["prefill"]
-            per_round = {k: round(1000 * t[k] / t["rounds"], 2) for k in [*TIMED[loop], *TIMED[loop.DecodeState]]}
+            per_round = {k: round(1000 * t[k] / t["rounds"], 2) for k in NAMES}
             drafting = per_round["draft_block"] + per_round["propose_trees"]
             known = per_round["target_forward"] + drafting + per_round["keep_paths"]
             results[dataset][name] = {

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from hf_dspark import embedded
+from hf_dspark.decoding.costs import time_verify_steps
 from hf_dspark.evaluation.readme import replace_block
-from hf_dspark.scheduling.costs import time_verify_steps
 
 
 def markdown(result: dict) -> str:

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from hf_dspark import DSparkDraftModel
 from hf_dspark.decoding import lm_head
+from hf_dspark.decoding.costs import measure_sps, time_verify_steps
 from hf_dspark.embedded import DRAFT_DIR, fast_dtype, load_target
 from hf_dspark.evaluation.bench import Method, bench, markdown_table
-from hf_dspark.scheduling.costs import measure_sps, time_verify_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,24 +5,30 @@ transformers' public extension point. ``import hf_dspark`` also registers the ``
 classes and routes ``target.generate(..., assistant_model=draft)`` to DSpark decoding when ``draft`` is a
 :class:`DSparkDraftModel` (see :mod:`hf_dspark.integration.generate`; ``hf_dspark.disable()`` undoes that route).
 
-The subpackages, each saying in its ``__init__`` what it owns: ``model`` (what the draft's weights compute),
-``decoding`` (the loop, drafting, verification, lookup, trees), ``scheduling`` (how much each round verifies),
-``integration`` (how ``generate`` gets here), ``compat`` (checkpoint formats), ``training`` and ``evaluation``.
+The parts, lowest first (each imports only parts before it; ``tests/test_layering.py`` checks it): ``scheduling``
+(how much each round verifies: pure policy and the verify modes), ``settings`` (``DecodingConfig``), ``model`` (what
+the draft's weights compute), ``compat`` (checkpoint formats), ``decoding`` (the loop, drafting, verification,
+lookup, trees, cost measurement), ``integration`` (how ``generate`` gets here), then ``training``, ``evaluation``
+and the command line. The model reads other layouts and writes Hub files through the two hooks installed below.
 """
 
 from transformers import AutoConfig, AutoModel
 
-from .decoding.config import DecodingConfig
+from .compat import read_layout
+from .decoding.costs import measure_sps
 from .decoding.stats import DSparkStats
 from .integration.generate import disable, dspark_generate, enable, is_enabled
+from .integration.hub_generate import write_custom_generate
 from .model.configuration_dspark import DSparkConfig
 from .model.modeling_dspark import DSparkDraftModel, DSparkOutput
-from .scheduling.costs import measure_sps
+from .settings import DecodingConfig
 
 __version__ = "0.1.0"
 
 AutoConfig.register("dspark", DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
+DSparkDraftModel.read_layout = staticmethod(read_layout)
+DSparkDraftModel.write_hub_files = staticmethod(write_custom_generate)
 enable()
 
 __all__ = [

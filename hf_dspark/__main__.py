@@ -23,12 +23,12 @@ import torch
 
 from . import embedded
 from .cli import lookup_ngram, positive_int
+from .decoding.costs import CACHE_DIR
 from .evaluation.bench import warm_up
 from .evaluation.evaluate import chat_ids
 from .evaluation.ties import first_divergence, upcast_copy
 from .integration.generate import dspark_generate
 from .model.modeling_dspark import DSparkDraftModel
-from .scheduling.costs import CACHE_DIR
 
 SAMPLE_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",

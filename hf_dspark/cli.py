@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .decoding.config import MAX_LOOKUP_NGRAM, MAX_VERIFY_WIDTH
+from .settings import MAX_LOOKUP_NGRAM, MAX_VERIFY_WIDTH
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -31,7 +31,7 @@ def resolve_dtype(name: str, draft_folder: str | Path | None = None) -> str:
     if name != "auto":
         return name
     if draft_folder is not None:
-        from .compat.checkpoint_files import read_config
+        from .model.checkpoint_files import read_config
 
         raw = read_config(Path(draft_folder))
         stored = raw.get("dtype") or raw.get("torch_dtype")
@@ -152,7 +152,7 @@ def file_path(value: str) -> str:
 def check_target(spec: str) -> None:
     """The target exists before anything loads: the embedded GGUF is installed, a local folder has a config.json;
     a Hub id is left to transformers."""
-    from .compat.checkpoint_files import looks_like_path, read_config
+    from .model.checkpoint_files import looks_like_path, read_config
 
     if spec == "embedded":
         from .embedded import gguf_path
@@ -168,7 +168,7 @@ def check_target(spec: str) -> None:
 
 def check_draft(spec: str | Path) -> Path:
     """A draft argument (a folder or Hub id) checked to hold a readable checkpoint; returns its local folder."""
-    from .compat.checkpoint_files import check_weight_files, checkpoint_folder, read_config
+    from .model.checkpoint_files import check_weight_files, checkpoint_folder, read_config
 
     folder = checkpoint_folder(spec)
     read_config(folder)
@@ -449,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import __version__
     from .compat import FORMATS, exportable
-    from .decoding.config import VERIFY_MODES
+    from .model.heads import HEADS
+    from .settings import VERIFY_MODES
 
     ap = argparse.ArgumentParser(
         prog="hf-dspark",
@@ -502,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="answered rows (JSONL from `prepare`)")
     p.add_argument("--out", required=True, type=folder_path,
                    help="the run folder: checkpoints, then final/ (an existing run resumes)")  # fmt: skip
-    p.add_argument("--head", default="markov", choices=["none", "markov", "gated", "rnn"],
+    p.add_argument("--head", default="markov", choices=["none", *HEADS],
                    help="sequential head (none: the parallel ablation)")  # fmt: skip
     p.add_argument("--block-size", type=int_range(2, MAX_VERIFY_WIDTH), default=8,
                    help="γ: the block's slots (anchor + masks)")  # fmt: skip

@@ -6,7 +6,7 @@ from helpers import PAD, PROMPTS, left_pad
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_dspark import DSparkDraftModel
-from hf_dspark.integration.versions import CACHE_FIELD
+from hf_dspark.decoding.versions import CACHE_FIELD
 from hf_dspark.scheduling.policy import SPSProfile
 from hf_dspark.testing import tiny_target
 
@@ -88,15 +88,16 @@ def test_finished_rows_leave_the_batch(mode, tree_top_k, monkeypatch):
     no user profile) the SPS profile follows the shrinking batch in power-of-two sizes."""
     from transformers import DynamicCache
 
-    from hf_dspark.decoding import checks, loop
-    from hf_dspark.scheduling import costs
+    from hf_dspark.decoding import checks, costs, tree_rounds
     from hf_dspark.scheduling.policy import SPSProfile
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.decoding.verify_mode = mode
     draft.decoding.tree_top_k = tree_top_k
-    monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k, rows: 0.0)  # its timing drafts trees too
+    monkeypatch.setattr(
+        tree_rounds, "tree_draft_seconds", lambda draft, top_k, rows: 0.0
+    )  # its timing drafts trees too
     measured, draft_rows, verify_rows = [], [], []
     fake = lambda t, grid, rows: measured.append(rows) or SPSProfile.from_callable(lambda B: 1 / B**0.1)  # noqa: E731
     monkeypatch.setattr(costs, "measure_profile", fake)
@@ -154,7 +155,7 @@ def test_return_dict_keeps_every_row_in_the_returned_cache(tree_top_k):
 
 
 def test_profile_rows_rounds_up_to_a_power_of_two_within_the_batch():
-    from hf_dspark.decoding.loop import profile_rows
+    from hf_dspark.decoding.costs import profile_rows
 
     assert [profile_rows(n, 16) for n in (16, 15, 9, 8, 5, 3, 2, 1)] == [16, 16, 16, 8, 8, 4, 2, 1]
     assert [profile_rows(n, 12) for n in (11, 9, 7)] == [12, 12, 8]
@@ -266,7 +267,7 @@ def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
     scripted_draft(draft, refs, lambda r, k: k < draft.config.draft_offset + 2)  # right for 2 tokens, then wrong
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    runs, real = {}, (bench.loop.draft_block, bench.loop.choose_lengths)
+    runs, real = {}, (bench.chain.draft_block, bench.chain.choose_lengths)
     diverged = set()
     for name in ("fixed", "oracle"):
         draft.decoding.verify_mode, draft.decoding.verify_limit = "fixed", None
@@ -283,4 +284,4 @@ def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
     with bench.hindsight(wrong, diverged):
         out = target.generate(ids, **kw)
     assert out.tolist() == plain.tolist() and diverged == {1}
-    assert (bench.loop.draft_block, bench.loop.choose_lengths) == real  # the loop is restored
+    assert (bench.chain.draft_block, bench.chain.choose_lengths) == real  # the loop is restored

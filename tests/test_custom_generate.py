@@ -1,6 +1,8 @@
 """``target.generate(custom_generate=hf_dspark.dspark_generate, draft=draft)``: transformers' public extension point,
 with hf-dspark's ``assistant_model`` patch switched off, so nothing but the public route is exercised."""
 
+import inspect
+
 import pytest
 import torch
 from helpers import ALPHA, CASES, chi_square_pvalue, exact_distribution, noisy_markov_draft, processors, sample_counts
@@ -8,8 +10,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dspark
-from hf_dspark import DSparkDraftModel, dspark_generate
-from hf_dspark.integration.versions import CACHE_FIELD
+from hf_dspark import DecodingConfig, DSparkDraftModel, dspark_generate
+from hf_dspark.decoding.versions import CACHE_FIELD
 from hf_dspark.scheduling.policy import SPSProfile
 from hf_dspark.testing import tiny_target
 
@@ -282,3 +284,24 @@ def test_stop_strings_through_an_explicit_criterion():
         draft=draft,
     )
     assert out.tolist() == ref.tolist()
+
+
+def test_every_decoding_setting_is_a_keyword_generate_hands_to_the_call(monkeypatch):
+    """``dspark_generate``'s signature is generated from ``DecodingConfig``: transformers reads a ``custom_generate``
+    callable's signature to decide which of ``generate``'s keywords are the callable's, so every field (a new one
+    included) reaches the call's settings by name; one ``generate`` did not hand over would reach the model as an
+    unused model kwarg and be refused there."""
+    fields = DecodingConfig.field_names()
+    params = inspect.signature(dspark_generate).parameters
+    assert [name for name in params if name in fields] == list(fields)
+    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default is None for name in fields)
+    seen = {}
+    resolve = DecodingConfig.resolve
+    monkeypatch.setattr(DecodingConfig, "resolve", lambda self, head, **o: seen.update(o) or resolve(self, head, **o))
+    target = tiny_target("llama", vocab_size=96)
+    draft = _draft(target, "fixed")
+    given = {name: getattr(DecodingConfig(verify_mode="fixed"), name) for name in fields}  # explicit, not None
+    ids = torch.tensor([[5, 9, 13, 2, 40]])
+    out = target.generate(ids, max_new_tokens=6, do_sample=False, custom_generate=dspark_generate, draft=draft, **given)
+    assert out.tolist() == target.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+    assert seen == given

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_dspark import DecodingConfig, DSparkConfig, DSparkDraftModel, dspark_generate
-from hf_dspark.decoding.config import DECODING_CONFIG_NAME, resolve_mode
+from hf_dspark.settings import DECODING_CONFIG_NAME, resolve_mode
 from hf_dspark.testing import tiny_target
 
 

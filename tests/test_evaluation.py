@@ -107,7 +107,7 @@ def test_commands_that_plot_finish_without_matplotlib(tmp_path, monkeypatch, cap
 
     from hf_dspark.cli import main
     from hf_dspark.evaluation.evaluate import plot_acceptance, plot_tau
-    from hf_dspark.model.sts import reliability_plot
+    from hf_dspark.plotting import reliability_plot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     target = tiny_target("llama", vocab_size=96, eos_token_id=1)

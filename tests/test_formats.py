@@ -13,7 +13,7 @@ from hf_dspark.compat.common import load_mapped, read_weights
 from hf_dspark.testing import tiny_target
 
 
-def test_formats_are_registered_in_detection_order():
+def test_formats_are_listed_in_detection_order():
     assert list(FORMATS) == ["dspark", "speculators", "deepspec", "dflash", "muse_glimmer"]
     assert exportable() == ["dspark", "speculators", "deepspec"]
     assert detect({"model_type": "dspark"}).name == "dspark"
@@ -29,7 +29,19 @@ def test_the_cli_offers_the_exportable_formats():
 
 def test_a_name_is_registered_once():
     with pytest.raises(ValueError, match="'deepspec' is already registered"):
-        register(CheckpointFormat("deepspec", "again", lambda raw: False))
+        register(CheckpointFormat("deepspec", 99, "again", lambda raw: False))
+
+
+def test_formats_are_asked_in_priority_order_whatever_order_they_register_in(monkeypatch):
+    """Detection order is each format's own priority, not the order its module happened to be imported in."""
+    monkeypatch.setattr("hf_dspark.compat.registry.FORMATS", dict(FORMATS))
+    from hf_dspark.compat import registry
+
+    broad = register(CheckpointFormat("broad", 35, "any llama-typed config", lambda r: r.get("model_type") == "llama"))
+    assert list(registry.FORMATS) == ["dspark", "speculators", "deepspec", "broad", "dflash", "muse_glimmer"]
+    assert registry.detect({"model_type": "llama"}) is broad
+    narrow = register(CheckpointFormat("narrow", 1, "a llama config with a tag", lambda r: r.get("tag") == 1))
+    assert registry.detect({"model_type": "llama", "tag": 1}) is narrow  # registered last, asked first
 
 
 def test_an_unknown_layout_names_every_registered_format(tmp_path):
@@ -54,7 +66,7 @@ def test_a_format_added_from_outside_loads_through_from_pretrained(tmp_path, mon
         fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
         return load_mapped(model_class, folder, DSparkConfig(**fields), read_weights(folder), "toy", dtype)
 
-    toy = CheckpointFormat("toy", "a toy layout", lambda r: r.get("model_type") == "toy_draft", load_toy)
+    toy = CheckpointFormat("toy", 60, "a toy layout", lambda r: r.get("model_type") == "toy_draft", load_toy)
     monkeypatch.setitem(FORMATS, "toy", toy)
     back = DSparkDraftModel.from_pretrained(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), draft.state_dict().values(), strict=True))

@@ -10,8 +10,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_dspark
 from hf_dspark import DSparkDraftModel
-from hf_dspark.decoding import drafting, loop
-from hf_dspark.scheduling import costs
+from hf_dspark.decoding import chain, costs, drafting
 from hf_dspark.testing import tiny_target
 
 
@@ -291,7 +290,7 @@ def test_rounds_that_do_not_draft_queue_their_context_for_the_next_drafted_block
     draft = DSparkDraftModel.from_target(target, block_size=4).double()
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0)  # verifying is free: every drafted round verifies all
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
-    monkeypatch.setattr(loop, "drafting_pays", lambda *args: False)  # back off after every drafted round
+    monkeypatch.setattr(chain, "drafting_pays", lambda *args: False)  # back off after every drafted round
     projected = []
     original = draft.fused_key_values
     monkeypatch.setattr(draft, "fused_key_values", lambda f, p: projected.append(f.shape[1]) or original(f, p))
@@ -349,7 +348,7 @@ def test_scheduler_backs_off_drafting_when_it_does_not_pay(case, monkeypatch):
     draft token is verified; or a draft block that costs more than a whole verify step, so even verified tokens
     lose), the loop skips the draft for 1, 2, 4, … rounds (plain decode steps). The output is plain greedy either
     way; with a flat profile and a free draft every round drafts."""
-    from hf_dspark.decoding.loop import MAX_BACKOFF
+    from hf_dspark.scheduling.backoff import MAX_BACKOFF
     from hf_dspark.scheduling.policy import SPSProfile
 
     steep, cost = {"free": (False, 0.0), "steep": (True, 0.0), "costly-draft": (False, 10.0)}[case]
@@ -439,7 +438,7 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
     with torch.no_grad():  # confidences spread over (0, 1), so plans end at different slots
         draft.confidence.confidence_head.weight.normal_(0, 0.3)
     blocks = []
-    real = loop.draft_block
+    real = chain.draft_block
 
     def spy(*args):
         planner = args[7]
@@ -452,7 +451,7 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
         blocks.append((args[4], proposal, whole, whole_plan.lengths))
         return proposal
 
-    monkeypatch.setattr(loop, "draft_block", spy)
+    monkeypatch.setattr(chain, "draft_block", spy)
     ids = torch.tensor([[5, 6, 7, 8], [9, 3, 4, 40], [70, 2, 11, 12]][:rows])
     kw = dict(max_new_tokens=24, do_sample=False)
     out = target.generate(ids, assistant_model=draft, **kw)
@@ -547,8 +546,8 @@ def test_greedy_lookahead_verifies_past_a_drop_and_stays_plain_greedy(monkeypatc
         verified[lookahead] = sum(draft.stats.proposed)
     assert verified[True] > verified[False]
     planned = []
-    original = loop.column_plan
-    monkeypatch.setattr(loop, "column_plan", lambda *a: planned.append(a[-1]) or original(*a))
+    original = chain.column_plan
+    monkeypatch.setattr(chain, "column_plan", lambda *a: planned.append(a[-1]) or original(*a))
     target.generate(ids, max_new_tokens=6, do_sample=True, custom_generate=hf_dspark.dspark_generate, draft=draft,
                     verify_mode="scheduled", greedy_lookahead=True)  # fmt: skip
     assert planned and not any(planned)

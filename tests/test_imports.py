@@ -5,73 +5,9 @@ below is read from the source (every ``import``/``from … import`` anywhere in 
 whether or not it fails at run time. ``python tests/test_imports.py`` prints the graph.
 """
 
-import ast
 import sys
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hf_dspark"
-
-
-def module_name(path: Path, package: Path) -> str:
-    parts = path.relative_to(package.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
-    """{module: the package modules it imports}, read from the source of every module under ``package``."""
-    modules = {module_name(p, package): p for p in package.rglob("*.py")}
-    graph = {name: set() for name in modules}
-    for name, path in modules.items():
-        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = here.split(".")
-                    anchor = anchor[: len(anchor) - (node.level - 1)]
-                    base = ".".join(anchor + ([base] if base else []))
-                # `from pkg import name` imports the submodule pkg.name when there is one
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            for target in targets:
-                while target and target not in modules:  # `import a.b.c` of a non-module attribute path
-                    target = target.rpartition(".")[0]
-                if target and target != name:
-                    graph[name].add(target)
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+from benchmarks.code_shape import cycles, import_graph, part_imports
 
 
 def test_the_package_has_no_import_circle():
@@ -90,9 +26,42 @@ def test_the_model_does_not_import_the_decoding_loop():
     assert not reached & {
         "hf_dspark.decoding.loop",
         "hf_dspark.decoding.drafting",
-        "hf_dspark.scheduling.costs",
+        "hf_dspark.decoding.costs",
         "hf_dspark",
     }
+
+
+# The parts of the package, lowest first: each may import only parts before it. "model" is what the weights
+# compute and imports nothing above "settings"; the policy ("scheduling") imports nothing of the package at all.
+LAYERS = [
+    "scheduling",
+    "settings",
+    "model",
+    "plotting",
+    "compat",
+    "decoding",
+    "integration",
+    "training",
+    "evaluation",
+    "cards",
+    "embedded",
+    "testing",
+    "__init__",
+    "cli",
+    "__main__",
+]
+
+
+def test_each_part_imports_only_the_parts_below_it():
+    parts = part_imports(import_graph())
+    assert set(parts) == set(LAYERS), "a new part of the package needs its place in LAYERS"
+    upward = {
+        part: sorted(dep for dep in deps if LAYERS.index(dep) > LAYERS.index(part)) for part, deps in parts.items()
+    }
+    assert {part: deps for part, deps in upward.items() if deps} == {}
+    assert parts["model"] <= {"settings", "scheduling"}
+    assert parts["scheduling"] == set()
+    assert cycles(parts) == []
 
 
 def test_the_checker_finds_a_circle_made_of_deferred_imports(tmp_path):

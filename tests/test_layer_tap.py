@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_dspark import DSparkDraftModel, dspark_generate
-from hf_dspark.decoding import loop
+from hf_dspark.decoding import state
 from hf_dspark.decoding.drafting import LayerTap, target_features
 from hf_dspark.testing import tiny_target
 
@@ -61,7 +61,7 @@ def test_generate_asks_for_no_hidden_states_and_leaves_no_hooks(monkeypatch):
     assert out.tolist() == target.generate(ids, max_new_tokens=12, do_sample=False).tolist()
     assert asked and not any(asked)
     assert [len(layer._forward_hooks) for layer in target.get_decoder().layers] == hooks
-    monkeypatch.setattr(loop, "check_finite", lambda logits, valid=None: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(state, "check_finite", lambda logits, valid=None: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         target.generate(ids, max_new_tokens=4, custom_generate=dspark_generate, draft=draft)
     assert [len(layer._forward_hooks) for layer in target.get_decoder().layers] == hooks  # removed on errors too

@@ -182,8 +182,8 @@ def test_adaptive_lookups_grow_while_accepted_in_full_and_stay_exact(mode):
 def test_adaptive_lookup_width_rule():
     """The width rule on its own: a short continuation accepted whole earns twice its length but never less than
     γ, a long one at most ``lookup_max_tokens``, and one cut short goes back to γ (``None``)."""
+    from hf_dspark.decoding.chain import RoundPlan, Schedule, row_proposals
     from hf_dspark.decoding.drafting import Proposal
-    from hf_dspark.decoding.loop import RoundPlan, Schedule, row_proposals
 
     draft = DSparkDraftModel.from_target(tiny_target(), block_size=4, head_rank=8)
     draft.decoding.lookup_max_tokens, draft.decoding.lookup_adaptive = 12, True
@@ -209,20 +209,20 @@ def test_adaptive_lookup_width_rule():
 
 
 def test_a_round_where_every_row_looks_up_does_not_draft(monkeypatch):
-    from hf_dspark.decoding import loop
+    from hf_dspark.decoding import chain
 
     target = tiny_target(dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.decoding.verify_mode = "fixed"
     draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 2, 1
     drafted = []
-    original = loop.draft_block
+    original = chain.draft_block
 
     def spy(draft_, context, histories, anchor_positions, max_tokens, *args, **kwargs):
         drafted.append(max_tokens)
         return original(draft_, context, histories, anchor_positions, max_tokens, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "draft_block", spy)
+    monkeypatch.setattr(chain, "draft_block", spy)
     target.generate(REPEATING, max_new_tokens=30, do_sample=False, assistant_model=draft)
     stats = draft.stats
     # one draft_block call per round, asked for nothing when the row looked up, else for what it verifies (fixed)
@@ -288,10 +288,10 @@ def test_sampling_with_lookup_matches_target_distribution(small_vocab_target):
 
 def test_sampling_test_sees_a_lookup_accepted_without_the_ratio_test(small_vocab_target, monkeypatch):
     """Treating a looked-up token as always accepted (q = p, no test) is caught by the same check."""
-    from hf_dspark.decoding import loop
+    from hf_dspark.decoding import chain
 
     # a looked-up row then reaches the acceptance rule with q = None, and the broken rule accepts it untested
-    monkeypatch.setattr(loop, "one_hot_probs", lambda tokens, vocab: None)
+    monkeypatch.setattr(chain, "one_hot_probs", lambda tokens, vocab: None)
     original = verify.rejection_sample
 
     def lenient(draft_tokens, draft_probs, target_probs, generator=None):

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from hf_dspark import DSparkDraftModel, dspark_generate
-from hf_dspark.scheduling import costs
-from hf_dspark.scheduling.policy import ColumnPlan, SPSProfile, choose_lengths, drafting_pays
+from hf_dspark.decoding import costs
+from hf_dspark.scheduling.modes import choose_lengths
+from hf_dspark.scheduling.policy import ColumnPlan, SPSProfile, drafting_pays
 from hf_dspark.scheduling.recalibration import AcceptanceRecalibration
 from hf_dspark.testing import tiny_target
 

@@ -10,12 +10,11 @@ import torch
 
 import hf_dspark
 from hf_dspark import DSparkConfig
-from hf_dspark.decoding.loop import choose_lengths
-from hf_dspark.scheduling import costs
+from hf_dspark.decoding import costs
+from hf_dspark.scheduling.modes import choose_lengths, choose_tree_nodes
 from hf_dspark.scheduling.policy import (
     ColumnPlan,
     SPSProfile,
-    choose_tree_nodes,
     fill_top_k,
     plan_capacity,
     plan_capacity_width,
@@ -539,7 +538,7 @@ def test_draft_seconds_is_measured_once_per_batch_size():
 
 
 def test_tree_node_choice_is_a_function_of_numbers():
-    from hf_dspark.scheduling.policy import choose_tree_nodes
+    from hf_dspark.scheduling.modes import choose_tree_nodes
 
     values = [0.9, 0.8, 0.5, 0.2, 0.05]  # ranked: most valuable first, each node's parent before it
     assert choose_tree_nodes("fixed", values, None, 0.5) == (5, True)
@@ -563,7 +562,7 @@ def test_tree_node_choice_is_a_function_of_numbers():
 def test_batched_tree_node_choice_admits_ranks_across_rows():
     """Two rows in one padded verify: the B-th best node of every row is admitted together (values summed over the
     rows), τ starts at one token per generating row, and a width of 1 + B costs SPS(rows · (1 + B))."""
-    from hf_dspark.scheduling.policy import choose_tree_nodes
+    from hf_dspark.scheduling.modes import choose_tree_nodes
 
     sps = SPSProfile.from_callable(lambda B: 1.0 / (1.0 + 0.25 * (B - 1)))
     summed = [0.9 + 0.7, 0.8 + 0.1, 0.5 + 0.0, 0.2]  # row 0: 0.9 0.8 0.5 0.2; row 1: 0.7 0.1
@@ -627,7 +626,7 @@ def test_measured_schedules_time_every_round_and_pinned_ones_none(monkeypatch, t
     drafting, plain ones at a step), chains and trees alike; with ``cost_recalibration=False``, in a sampling call or
     with a profile the user set it times none."""
     from hf_dspark import DSparkDraftModel
-    from hf_dspark.decoding import loop
+    from hf_dspark.decoding import tree_rounds
 
     made = []
 
@@ -639,7 +638,7 @@ def test_measured_schedules_time_every_round_and_pinned_ones_none(monkeypatch, t
     monkeypatch.setattr(costs, "ObservedRounds", Recording)
     monkeypatch.setattr(costs, "measure_profile", lambda t, grid, rows: SPSProfile.from_callable(lambda B: 1 / B))
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
-    monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k, rows: 0.0)
+    monkeypatch.setattr(tree_rounds, "tree_draft_seconds", lambda draft, top_k, rows: 0.0)
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(2))

@@ -302,7 +302,7 @@ def test_keep_paths_keeps_each_rows_path_in_order_and_pads_with_holes():
     from transformers import DynamicCache
 
     from hf_dspark.decoding.drafting import DraftContext
-    from hf_dspark.decoding.loop import DecodeState
+    from hf_dspark.decoding.state import DecodeState
 
     target = tiny_target("llama")
     R, S, W = 2, 3, 4  # 3 committed slots, then a verify block of 4 slots
@@ -332,11 +332,11 @@ def test_keep_paths_crops_when_every_path_is_its_slots_prefix(monkeypatch):
     rather than gathered: the same entries in the same columns, a shorter row's extra columns marked as holes."""
     from transformers import DynamicCache
 
-    from hf_dspark.decoding import loop
+    from hf_dspark.decoding import state as state_module
     from hf_dspark.decoding.drafting import DraftContext
-    from hf_dspark.decoding.loop import DecodeState
+    from hf_dspark.decoding.state import DecodeState
 
-    monkeypatch.setattr(loop, "keep_cache_slots", lambda *a: pytest.fail("gathered a prefix path"))
+    monkeypatch.setattr(state_module, "keep_cache_slots", lambda *a: pytest.fail("gathered a prefix path"))
     target = tiny_target("llama")
     R, S, W = 2, 3, 4
     cache = DynamicCache(config=target.config)
@@ -360,7 +360,7 @@ def test_keep_paths_crops_when_every_path_is_its_slots_prefix(monkeypatch):
 def test_a_single_chain_shaped_tree_verifies_with_plain_causal_attention():
     """One row whose verified tree is a chain, on a cache without holes, needs no 4D mask (the cheaper causal
     path); a branch, a second row or a hole in the cache brings the tree mask back."""
-    from hf_dspark.decoding.loop import tree_verify_mask
+    from hf_dspark.decoding.tree_rounds import tree_verify_mask
 
     class State:
         def __init__(self, cache_mask):
@@ -382,14 +382,14 @@ def test_a_row_with_a_lookup_continuation_is_drafted_only_when_merging(monkeypat
     """With lookup on, by default a row whose lookup finds a continuation verifies that branch alone (the draft's
     pass and expansion are skipped); ``tree_lookup_merge=True`` drafts it too and merges both in one tree. Exact
     either way."""
-    from hf_dspark.decoding import loop
+    from hf_dspark.decoding import tree_rounds
 
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
     ids = torch.tensor([[5, 17, 33, 2, 9]])  # this tiny target's greedy output falls into a loop that lookup finds
     trees = []
-    real = loop.propose_trees
-    monkeypatch.setattr(loop, "propose_trees", lambda *a: trees.extend(real(*a)) or trees[-1:])
+    real = tree_rounds.propose_trees
+    monkeypatch.setattr(tree_rounds, "propose_trees", lambda *a: trees.extend(real(*a)) or trees[-1:])
     ref = target.generate(ids, max_new_tokens=30, do_sample=False)
     out = _tree_generate(target, draft, ids, max_new_tokens=30, tree_top_k=3, verify_mode="fixed",
                          lookup_max_ngram=3, tree_lookup_merge=merge)  # fmt: skip
@@ -410,36 +410,36 @@ def test_a_row_with_a_lookup_continuation_is_drafted_only_when_merging(monkeypat
 def test_the_scheduler_prices_drafting_only_for_rows_that_drafted(monkeypatch):
     """A round's drafting cost is charged per row whose tree holds draft nodes (a lookup-only row drafted nothing),
     and only a round that drafted moves the back-off."""
-    from hf_dspark.decoding import loop
-    from hf_dspark.decoding.config import DecodingConfig
+    from hf_dspark.decoding import tree_rounds
     from hf_dspark.decoding.proposers import TreeRequest
     from hf_dspark.scheduling.policy import SPSProfile
+    from hf_dspark.settings import DecodingConfig
 
     charged = []
-    monkeypatch.setattr(loop, "choose_tree_nodes", lambda *a: charged.append(a[4]) or (1, False))
-    schedule = loop.TreeSchedule(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 4, [], None,
+    monkeypatch.setattr(tree_rounds, "choose_tree_nodes", lambda *a: charged.append(a[4]) or (1, False))
+    schedule = tree_rounds.TreeSchedule(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 4, [], None,
                                  sps=SPSProfile.from_callable(lambda B: 1.0), drafting=0.01)  # fmt: skip
     drafted, looked_up = TokenTree(), TokenTree()
     drafted.add(-1, 5, 0.6, "draft", top=True)
     looked_up.add_path([7, 8], [0.5, 0.5], "lookup")
     request = TreeRequest(0, torch.tensor([1, 2]), torch.tensor(2), 4, 8, LogitsProcessorList())
     schedule.select([drafted, looked_up], [request, request], 2)
-    assert charged == [pytest.approx(0.01)] and schedule.backoff == 1  # one row drafted; not worth it: back off
+    assert charged == [pytest.approx(0.01)] and schedule.backoff.length == 1  # one row drafted; not worth it: back off
     schedule.select([looked_up, looked_up], [request, request], 2)
-    assert charged[-1] == 0.0 and schedule.backoff == 1  # nothing drafted: no cost, the back-off stays
+    assert charged[-1] == 0.0 and schedule.backoff.length == 1  # nothing drafted: no cost, the back-off stays
 
 
 def test_one_rows_lookup_continuation_alone_is_verified_whole():
     """A round whose one row's tree is a lookup continuation alone (nothing drafted) verifies all of it, as the chain
     route verifies a looked-up continuation, where Algorithm 1 over the per-token lookup rate would cut it; a drafted
     tree and a batch's lookups keep the scheduler's count."""
-    from hf_dspark.decoding import loop
-    from hf_dspark.decoding.config import DecodingConfig
+    from hf_dspark.decoding import tree_rounds
     from hf_dspark.decoding.proposers import TreeRequest
     from hf_dspark.scheduling.policy import SPSProfile
+    from hf_dspark.settings import DecodingConfig
 
     steep = SPSProfile.from_callable(lambda B: 1 / (1 + 0.5 * (B - 1)))  # each slot adds half a plain step
-    schedule = loop.TreeSchedule(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 8, [], None, sps=steep)
+    schedule = tree_rounds.TreeSchedule(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 8, [], None, sps=steep)
     request = TreeRequest(0, torch.tensor([1, 2]), torch.tensor(2), 8, 8, LogitsProcessorList())
     looked_up, drafted = TokenTree(), TokenTree()
     looked_up.add_path([7, 8, 9, 10, 11], [0.3] * 5, "lookup")
@@ -508,7 +508,7 @@ def test_size_settings_are_refused_before_anything_is_measured(settings, message
     """``tree_top_k=10**6`` hung: the cost profile was measured at two million widths before anything was checked.
     Every size-like setting is bounded by name, and a tree wider than the draft's vocabulary is refused at the call,
     before the prefill and before any measurement."""
-    from hf_dspark.decoding import loop
+    from hf_dspark.decoding import tree_rounds
 
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
@@ -517,16 +517,16 @@ def test_size_settings_are_refused_before_anything_is_measured(settings, message
     def measured(*args, **kw):
         raise AssertionError("measured before the settings were checked")
 
-    monkeypatch.setattr(loop, "sps_profile", measured)
-    monkeypatch.setattr(loop, "tree_draft_seconds", measured)
+    monkeypatch.setattr(tree_rounds, "sps_profile", measured)
+    monkeypatch.setattr(tree_rounds, "tree_draft_seconds", measured)
     monkeypatch.setattr(target, "forward", measured)  # not even the prefill ran
     with pytest.raises(ValueError, match=message):
         _tree_generate(target, draft, _prompt(), max_new_tokens=4, verify_mode="scheduled", **settings)
 
 
 def test_a_trees_default_node_budget_is_clamped_to_the_widest_verify():
-    from hf_dspark.decoding.config import MAX_VERIFY_WIDTH, DecodingConfig
-    from hf_dspark.decoding.loop import TreeSchedule
+    from hf_dspark.decoding.tree_rounds import TreeSchedule
+    from hf_dspark.settings import MAX_VERIFY_WIDTH, DecodingConfig
 
     wide = TreeSchedule(DecodingConfig(tree_top_k=200), draft_tokens=8, proposers=[], lookup=None)
     assert wide.budget == MAX_VERIFY_WIDTH == 256  # γ · k = 1,600 nodes, clamped
@@ -638,10 +638,10 @@ def test_expansion_stops_once_the_schedule_cannot_change_its_choice(mode):
     whole tree, over steep and flat verify profiles, and the expansion does stop early on some of them."""
     from functools import partial
 
-    from hf_dspark.decoding.config import DecodingConfig
-    from hf_dspark.decoding.loop import TreeSchedule
     from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.decoding.tree_rounds import TreeSchedule
     from hf_dspark.scheduling.policy import SPSProfile
+    from hf_dspark.settings import DecodingConfig
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8)
@@ -677,10 +677,10 @@ def test_a_settled_choice_holds_whatever_deeper_nodes_join():
     grow past a drop."""
     import random
 
-    from hf_dspark.decoding.config import DecodingConfig
-    from hf_dspark.decoding.loop import TreeSchedule
     from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.decoding.tree_rounds import TreeSchedule
     from hf_dspark.scheduling.policy import SPSProfile
+    from hf_dspark.settings import DecodingConfig
 
     rng = random.Random(0)
     request = TreeRequest(0, torch.tensor([7]), torch.tensor(1), 8, 16, LogitsProcessorList())
@@ -745,10 +745,11 @@ def test_a_batch_prices_its_tree_drafting_once_a_round():
     """The rows of a batch share the backbone pass, so a round of trees is priced at the batch's drafting cost, once:
     the schedule's count is Algorithm 1's over the summed values with that cost, and a round that one row's cost
     times R would have called a loss (backing off from drafting) is kept."""
-    from hf_dspark.decoding.config import DecodingConfig
-    from hf_dspark.decoding.loop import TreeSchedule
     from hf_dspark.decoding.proposers import TreeRequest
-    from hf_dspark.scheduling.policy import SPSProfile, choose_tree_nodes
+    from hf_dspark.decoding.tree_rounds import TreeSchedule
+    from hf_dspark.scheduling.modes import choose_tree_nodes
+    from hf_dspark.scheduling.policy import SPSProfile
+    from hf_dspark.settings import DecodingConfig
 
     sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))  # a step of 4 rows costs ~0.058 s
     settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
@@ -766,15 +767,14 @@ def test_a_batch_prices_its_tree_drafting_once_a_round():
     want, pays = choose_tree_nodes("scheduled", summed, sps, 0.5, drafting, 4, 4)
     assert want == 3 and pays
     chosen = schedule.select(trees, requests, 4)
-    assert [len(nodes) for nodes in chosen] == [3] * 4 and schedule.skip == 0
+    assert [len(nodes) for nodes in chosen] == [3] * 4 and schedule.backoff.left == 0
     assert choose_tree_nodes("scheduled", summed, sps, 0.5, 4 * drafting, 4, 4)[1] is False  # R-fold: a "loss"
 
 
 def test_tree_drafting_cost_is_measured_for_the_batch(monkeypatch):
     """``tree_draft_seconds(draft, k, rows)`` times one backbone pass over ``rows`` rows and every row's tree
     expansion, once per (k, rows); a one-row measurement is a separate entry."""
-    from hf_dspark.decoding import proposers
-    from hf_dspark.scheduling import costs
+    from hf_dspark.decoding import costs, proposers
 
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
@@ -871,9 +871,10 @@ def test_a_round_whose_chain_beats_its_tree_narrows_the_next_rounds():
     (at the chain's drafting cost) has the better Θ, the next drafted rounds ask for one child per node and are
     priced at the chain's cost; the narrowing doubles while chains keep winning, skips no plain step, and is reset
     by a round where the tree is worth its cost."""
-    from hf_dspark.decoding.config import DecodingConfig
-    from hf_dspark.decoding.loop import TreeSchedule
-    from hf_dspark.scheduling.policy import SPSProfile, choose_tree_nodes, tree_rate
+    from hf_dspark.decoding.tree_rounds import TreeSchedule
+    from hf_dspark.scheduling.modes import choose_tree_nodes
+    from hf_dspark.scheduling.policy import SPSProfile, tree_rate
+    from hf_dspark.settings import DecodingConfig
 
     sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))
     settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
@@ -890,28 +891,28 @@ def test_a_round_whose_chain_beats_its_tree_narrows_the_next_rounds():
     )  # fmt: skip
 
     schedule.select(trees, requests, 4)
-    assert (schedule.narrow, schedule.narrow_backoff, schedule.skip) == (1, 1, 0)
+    assert (schedule.narrowing.left, schedule.narrowing.length, schedule.backoff.left) == (1, 1, 0)
     narrowed = schedule.requests(state, 100, LogitsProcessorList())
     assert [r.top_k for r in narrowed] == [1] * 4 and all(r.draft for r in narrowed)
     assert schedule.round_drafting == 0.01
     schedule.select(*_two_branch_trees(4, 0.05), 4)  # the narrowed round (its tree as drafted is not weighed)
-    assert (schedule.narrow, schedule.narrow_backoff) == (0, 1)
+    assert (schedule.narrowing.left, schedule.narrowing.length) == (0, 1)
     assert [r.top_k for r in schedule.requests(state, 100, LogitsProcessorList())] == [None] * 4
     assert schedule.round_drafting == 0.03
     schedule.select(*_two_branch_trees(4, 0.05), 4)  # the chain wins again: twice as long
-    assert (schedule.narrow, schedule.narrow_backoff) == (2, 2)
-    schedule.narrow, schedule.chain_drafting = 0, 0.03  # a tree round where the chain saves nothing
+    assert (schedule.narrowing.left, schedule.narrowing.length) == (2, 2)
+    schedule.narrowing.left, schedule.chain_drafting = 0, 0.03  # a tree round where the chain saves nothing
     schedule.select(*_two_branch_trees(4, 0.6), 4)
-    assert (schedule.narrow, schedule.narrow_backoff) == (0, 0)
+    assert (schedule.narrowing.left, schedule.narrowing.length) == (0, 0)
 
 
 def test_a_round_after_a_back_off_probes_with_the_chain():
     """A drafted tree round not worth a plain step turns drafting off for a while; the round that then drafts again
     asks for the chain only, priced at the chain's cost (a probe at a tree's cost is what the back-off saves); a
     probe that pays resets the back-off, and the round after it drafts the tree again."""
-    from hf_dspark.decoding.config import DecodingConfig
-    from hf_dspark.decoding.loop import TreeSchedule
+    from hf_dspark.decoding.tree_rounds import TreeSchedule
     from hf_dspark.scheduling.policy import SPSProfile
+    from hf_dspark.settings import DecodingConfig
 
     sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))
     settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
@@ -926,25 +927,25 @@ def test_a_round_after_a_back_off_probes_with_the_chain():
 
     assert top_ks() == [(True, None)] * 4 and schedule.round_drafting == 0.03
     schedule.select(*_two_branch_trees(4, 0.5, sure=0.02), 4)  # worth more than its chain, less than a plain step
-    assert (schedule.backoff, schedule.skip, schedule.narrow) == (1, 1, 0)
+    assert (schedule.backoff.length, schedule.backoff.left, schedule.narrowing.left) == (1, 1, 0)
     assert top_ks() == [(False, None)] * 4
     assert top_ks() == [(True, 1)] * 4 and schedule.round_drafting == 0.01  # the probe: the chain, at its cost
     schedule.select(*_two_branch_trees(4, 0.01, sure=0.02), 4)  # it did not pay either: twice as long
-    assert (schedule.backoff, schedule.skip) == (2, 2)
+    assert (schedule.backoff.length, schedule.backoff.left) == (2, 2)
     assert top_ks() == [(False, None)] * 4 and top_ks() == [(False, None)] * 4
     assert top_ks() == [(True, 1)] * 4
     schedule.select(*_two_branch_trees(4, 0.05), 4)  # this probe pays: drafting is back, trees first
-    assert (schedule.backoff, schedule.skip, schedule.narrow) == (0, 0, 0)
+    assert (schedule.backoff.length, schedule.backoff.left, schedule.narrowing.left) == (0, 0, 0)
     assert top_ks() == [(True, None)] * 4 and schedule.round_drafting == 0.03
 
 
 def test_narrowed_tree_rounds_decode_exactly_plain_greedy(monkeypatch):
     """With tree drafting priced far above a chain's, the schedule narrows its rounds to chains: the output is still
     plain greedy, one row and a batch, and the stats count the narrowed rounds."""
-    from hf_dspark.decoding import loop
+    from hf_dspark.decoding import tree_rounds
     from hf_dspark.scheduling.policy import SPSProfile
 
-    monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k, rows: 0.0 if top_k == 1 else 0.5)
+    monkeypatch.setattr(tree_rounds, "tree_draft_seconds", lambda draft, top_k, rows: 0.0 if top_k == 1 else 0.5)
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1 / (0.01 + 0.001 * B))
@@ -961,10 +962,10 @@ def test_a_drafted_round_must_beat_a_plain_step_by_the_premium_the_call_observed
     """With measured costs the schedule times its rounds against their prices: a drafted round (verify + drafting)
     that ran at 1.8x its price while plain rounds ran at theirs must beat a plain step by that factor, so a round
     worth 1.5x a plain step by the profile backs off; a profile the user set is taken as it is."""
-    from hf_dspark.decoding import loop
-    from hf_dspark.decoding.config import DecodingConfig
-    from hf_dspark.scheduling.costs import ObservedRounds
+    from hf_dspark.decoding import tree_rounds
+    from hf_dspark.decoding.costs import ObservedRounds
     from hf_dspark.scheduling.policy import SPSProfile
+    from hf_dspark.settings import DecodingConfig
 
     observed = ObservedRounds()
     assert observed.premium() == 1.0
@@ -975,10 +976,10 @@ def test_a_drafted_round_must_beat_a_plain_step_by_the_premium_the_call_observed
 
     sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))
     settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
-    schedule = loop.TreeSchedule(settings, 4, [], None, sps=sps, drafting=0.03, observed=ObservedRounds())
+    schedule = tree_rounds.TreeSchedule(settings, 4, [], None, sps=sps, drafting=0.03, observed=ObservedRounds())
     trees, requests = _two_branch_trees(4, 0.05)  # Θ = 10.84 / 0.104 s against 4 / 0.058 s: 1.51x a plain step
     chosen = schedule.select(trees, requests, 4)
-    assert [len(nodes) for nodes in chosen] == [2] * 4 and schedule.skip == 0
+    assert [len(nodes) for nodes in chosen] == [2] * 4 and schedule.backoff.left == 0
     assert schedule.observed.pending == (True, pytest.approx(1 / sps(12) + 0.03))
     schedule.time_round(0.104 * 1.8)
     assert schedule.observed.ratios[True] == [pytest.approx(1.8)] and schedule.observed.pending is None
@@ -986,12 +987,12 @@ def test_a_drafted_round_must_beat_a_plain_step_by_the_premium_the_call_observed
         schedule.observed.observe(True, 0.1, 0.18)
     assert schedule.observed.premium() > 1.51
     schedule.select(*_two_branch_trees(4, 0.05), 4)
-    assert schedule.backoff == 1 and schedule.skip == 1
+    assert schedule.backoff.length == 1 and schedule.backoff.left == 1
 
-    monkeypatch.setattr(loop, "sps_profile", lambda *a, **k: sps)
-    monkeypatch.setattr(loop, "tree_draft_seconds", lambda draft, top_k, rows: 0.01)
-    measured = loop.TreeSchedule(settings, 4, [], None)
-    measured.price(SimpleNamespace(sps_profile=None), None, 4)
-    pinned = loop.TreeSchedule(settings, 4, [], None)
-    pinned.price(SimpleNamespace(sps_profile=sps), None, 4)
+    monkeypatch.setattr(tree_rounds, "sps_profile", lambda *a, **k: sps)
+    monkeypatch.setattr(tree_rounds, "tree_draft_seconds", lambda draft, top_k, rows: 0.01)
+    measured = tree_rounds.TreeSchedule(settings, 4, [], None)
+    measured.price(SimpleNamespace(draft=SimpleNamespace(sps_profile=None), target=None), 4)
+    pinned = tree_rounds.TreeSchedule(settings, 4, [], None)
+    pinned.price(SimpleNamespace(draft=SimpleNamespace(sps_profile=sps), target=None), 4)
     assert measured.observed is not None and pinned.observed is None

@@ -7,7 +7,7 @@ import transformers
 from transformers import LlamaForCausalLM
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from hf_dspark.integration.versions import CACHE_FIELD, OLDEST_SUPPORTED, cache_argument
+from hf_dspark.decoding.versions import CACHE_FIELD, OLDEST_SUPPORTED, cache_argument
 
 RELEASE = f"transformers {transformers.__version__}"
 # what generate passes every decoding method first (and so dspark_generate and the wrapped _assisted_decoding)

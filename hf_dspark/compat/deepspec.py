@@ -162,6 +162,6 @@ def export_whole_vocab(draft, folder: str | Path, verifier: str | None = None) -
 
 
 FORMAT = register(
-    CheckpointFormat("deepspec", "DeepSpec's Qwen3DSparkModel layout (sglang's too)", is_deepspec_config,
+    CheckpointFormat("deepspec", 30, "DeepSpec's Qwen3DSparkModel layout (sglang's too)", is_deepspec_config,
                      load_deepspec, export_whole_vocab)
 )  # fmt: skip

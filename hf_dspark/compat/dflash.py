@@ -58,4 +58,4 @@ def load_dflash(model_class, folder: str | Path, raw: dict, dtype: torch.dtype |
     return load_mapped(model_class, folder, config, mapped, "DFlash", dtype)
 
 
-FORMAT = register(CheckpointFormat("dflash", "z-lab's DFlashDraftModel layout", is_dflash_config, load_dflash))
+FORMAT = register(CheckpointFormat("dflash", 40, "z-lab's DFlashDraftModel layout", is_dflash_config, load_dflash))

@@ -19,5 +19,5 @@ def export_dspark(draft, folder: str | Path, verifier: str | None = None) -> Pat
 
 
 FORMAT = register(
-    CheckpointFormat("dspark", "a DSpark draft (model_type 'dspark')", is_dspark_config, None, export_dspark)
+    CheckpointFormat("dspark", 10, "a DSpark draft (model_type 'dspark')", is_dspark_config, None, export_dspark)
 )

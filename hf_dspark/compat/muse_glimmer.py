@@ -85,6 +85,6 @@ def load_muse_glimmer(model_class, folder: str | Path, raw: dict, dtype: torch.d
 
 
 FORMAT = register(
-    CheckpointFormat("muse_glimmer", "transformers' MuseGlimmerAssistantModel", is_muse_glimmer_config,
+    CheckpointFormat("muse_glimmer", 50, "transformers' MuseGlimmerAssistantModel", is_muse_glimmer_config,
                      load_muse_glimmer)
 )  # fmt: skip

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..decoding.config import DecodingConfig
+from ..model.checkpoint_files import looks_like_path
 from ..model.configuration_dspark import DSparkConfig
-from .checkpoint_files import looks_like_path
+from ..settings import DecodingConfig
 from .common import TARGET_COPIES, load_mapped, read_weights, rename_keys
 from .registry import CheckpointFormat, register
 
@@ -238,6 +238,6 @@ def _architectures(draft) -> list[str]:
 
 
 FORMAT = register(
-    CheckpointFormat("speculators", "a speculators DSpark/DFlash draft (what vLLM serves)", is_speculators_config,
+    CheckpointFormat("speculators", 20, "a speculators DSpark/DFlash draft (what vLLM serves)", is_speculators_config,
                      load_speculators, export_speculators)
 )  # fmt: skip

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.config import resolve_mode
+from ..decoding.costs import measure_sps
 from ..integration.generate import dspark_generate
 from ..plotting import pyplot
-from ..scheduling.costs import measure_sps
+from ..settings import resolve_mode
 from .evaluate import chat_ids, load_prompts, run_context
 from .ties import first_divergence, upcast_copy
 
@@ -155,7 +155,7 @@ def warm_up(target, draft, input_ids: torch.Tensor) -> tuple[str, float, float]:
     """Pay the one-time costs before anything is timed: the SPS profile and draft cost the scheduler plans with
     (measured, or loaded from the disk cache) and a first short greedy call of plain and of DSpark ``generate``
     on ``input_ids`` ([1, T]). Returns ("measured" | "loaded", seconds for the profile, seconds for the calls)."""
-    from ..scheduling.costs import CACHE_DIR
+    from ..decoding.costs import CACHE_DIR
 
     start, t0 = time.time(), time.perf_counter()
     measure_sps(draft, 1)

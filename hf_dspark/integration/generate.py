@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 
 from transformers.generation.utils import GenerationMixin
 
-from ..decoding.config import DecodingConfig
 from ..decoding.loop import dspark_decode
 from ..model.modeling_dspark import DSparkDraftModel
+from ..settings import DecodingConfig
 
 _ORIGINALS: dict[str, object] = {}
 
@@ -69,19 +70,6 @@ def dspark_generate(
     stopping_criteria,
     generation_config,
     draft: DSparkDraftModel | None = None,
-    verify_mode: str | None = None,
-    verify_limit: int | None = None,
-    confidence_threshold: float | None = None,
-    lookup_max_ngram: int | None = None,
-    lookup_min_ngram: int | None = None,
-    lookup_max_tokens: int | None = None,
-    lookup_adaptive: bool | None = None,
-    verify_layout: str | None = None,
-    confidence_recalibration: bool | None = None,
-    cost_recalibration: bool | None = None,
-    greedy_lookahead: bool | None = None,
-    tree_top_k: int | None = None,
-    tree_lookup_merge: bool | None = None,
     **model_kwargs,
 ):
     """DSpark decoding as a ``custom_generate`` callable: ``target.generate(**inputs,
@@ -89,9 +77,10 @@ def dspark_generate(
 
     ``generate`` passes the prepared ``input_ids`` [R, P] (left-padded for a batch), logits processors, stopping
     criteria, generation config and model kwargs (attention mask, cache), plus the keywords this signature declares:
-    ``draft``, and this call's decoding settings: every field of
-    :class:`~hf_dspark.decoding.config.DecodingConfig`, ``None`` keeping the draft's own (``draft.decoding``, which
-    the call never changes).
+    ``draft``, and this call's decoding settings: one keyword for every field of
+    :class:`~hf_dspark.settings.DecodingConfig` (the signature is generated from it: ``generate`` routes the
+    keywords a ``custom_generate`` callable declares to it), ``None`` keeping the draft's own (``draft.decoding``,
+    which the call never changes).
     Returns what :func:`dspark_decode` returns: sequences [R, P + new], or a ``DSparkGenerateOutput`` (with this
     call's ``dspark_stats``) with ``return_dict_in_generate=True``.
 
@@ -99,6 +88,7 @@ def dspark_generate(
     are its own arguments, and it has already put the prompt into the streamer). The streamer is taken from the
     ``generate`` call that called this function, so ``streamer=`` works as with any decoding method.
     """
+    overrides = {name: model_kwargs.pop(name, None) for name in DecodingConfig.field_names()}
     if not isinstance(draft, DSparkDraftModel):
         raise ValueError(
             "custom_generate=hf_dspark.dspark_generate needs draft=<DSparkDraftModel> "
@@ -109,13 +99,28 @@ def dspark_generate(
         raise ValueError("DSpark generation does not support beam search (num_beams must be 1).")
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError("DSpark generation does not support num_return_sequences > 1.")
-    call = locals()
-    overrides = {name: call[name] for name in DecodingConfig.field_names()}  # the signature declares each one
     settings = draft.decoding.resolve(draft.confidence is not None, **overrides)
     return dspark_decode(
         model, input_ids, logits_processor, stopping_criteria, generation_config, draft=draft,
         streamer=_callers_streamer(model), settings=settings, **model_kwargs,
     )  # fmt: skip
+
+
+def settings_signature(function, before: str = "model_kwargs") -> inspect.Signature:
+    """``function``'s signature with one keyword-only parameter per :class:`DecodingConfig` field (default
+    ``None``: the draft's own setting; annotated with the field's type or ``None``), inserted before its ``**``
+    parameter ``before``: the one place a new setting is declared is the dataclass."""
+    params = list(inspect.signature(function).parameters.values())
+    hints = typing.get_type_hints(DecodingConfig)
+    settings = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[name] | None)
+        for name in DecodingConfig.field_names()
+    ]
+    at = next(i for i, p in enumerate(params) if p.name == before)
+    return inspect.Signature(params[:at] + settings + params[at:])
+
+
+dspark_generate.__signature__ = settings_signature(dspark_generate)
 
 
 def _callers_streamer(model):

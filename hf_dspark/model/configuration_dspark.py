@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from ..decoding.config import DecodingConfig
+from ..settings import DecodingConfig
 from .heads import HEADS
 
 HEAD_VOCABS = ("full", "draft")
@@ -46,7 +46,7 @@ class DSparkConfig(PretrainedConfig):
     Target identity (a draft refuses any other target):
         target_model_type, target_hidden_size, target_vocab_size, target_num_layers.
     Decoding settings (verify mode, lookup drafting, trees) are not part of this config: they live in
-    ``draft.decoding`` (``hf_dspark.decoding.config.DecodingConfig``, saved as ``decoding_config.json``). A config
+    ``draft.decoding`` (``hf_dspark.settings.DecodingConfig``, saved as ``decoding_config.json``). A config
     built with them (or read from a checkpoint written before the split) keeps them in ``legacy_decoding``, never
     serialised, and the draft built from it moves them across.
     Training:

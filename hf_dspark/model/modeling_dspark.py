@@ -10,7 +10,9 @@ Shapes: R rows, L context positions, γ = block_size, d = hidden_size, V = vocab
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +20,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from ..compat import registry
-from ..compat.checkpoint_files import check_weight_files, checkpoint_folder, read_config
-from ..decoding.config import DECODING_CONFIG_NAME, DecodingConfig
-from ..decoding.stats import DSparkStats
+from ..settings import DECODING_CONFIG_NAME, DecodingConfig
+from .checkpoint_files import checkpoint_folder
 from .configuration_dspark import DSparkConfig
 from .heads import ConfidenceHead, build_sequential_head
 
@@ -121,7 +121,7 @@ class DSparkOutput(ModelOutput):
     hidden_states: torch.Tensor | None = None
 
 
-def _check_vocab(name_or_path, model, vocab: int | None) -> None:
+def check_vocab(name_or_path, model, vocab: int | None) -> None:
     """``ValueError`` naming both sizes when a loaded draft was built for another vocabulary than ``vocab``."""
     if vocab is not None and model.config.target_vocab_size != vocab:
         raise ValueError(
@@ -152,6 +152,12 @@ class DSparkDraftModel(PreTrainedModel):
     main_input_name = "target_hidden_states"
     _no_split_modules = ("DraftLayer",)
     _supports_sdpa = True
+    # Installed by ``hf_dspark/__init__.py`` from the layers above this package, which imports nothing above it:
+    # ``read_layout(cls, name_or_path, folder, kwargs)`` is ``hf_dspark.compat``'s front door for every checkpoint
+    # layout (-> a draft, or ``None`` for our own, which ``PreTrainedModel.from_pretrained`` reads);
+    # ``write_hub_files(folder, repo_id)`` writes ``custom_generate/`` into a folder being pushed to the Hub.
+    read_layout: ClassVar[Callable | None] = None
+    write_hub_files: ClassVar[Callable | None] = None
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
@@ -177,7 +183,7 @@ class DSparkDraftModel(PreTrainedModel):
         self._target: _TargetRef | None = None
         # How to decode (decoding_config.json): defaults that every generate call may override for itself.
         self.decoding = DecodingConfig.from_dict(c.legacy_decoding, "config") if c.legacy_decoding else DecodingConfig()
-        self.stats = DSparkStats(num_draft_tokens=c.num_draft_tokens)  # the last finished generate call's
+        self.stats = None  # the last finished generate call's DSparkStats (each call returns its own: dspark_stats)
         self.sps_profile = None  # hf_dspark.scheduling.policy.SPSProfile set by the user; overrides the measured ones
         self.head_enabled = True  # False: propose from the parallel backbone alone (demo toggle, ablations)
         self.post_init()
@@ -559,7 +565,7 @@ class DSparkDraftModel(PreTrainedModel):
         # a Hub id is fetched here, once; the layout probe and transformers' loader then read that folder
         folder = checkpoint_folder(pretrained_model_name_or_path, kwargs)
         kwargs.pop("subfolder", None)  # applied: ``folder`` is the checkpoint itself
-        foreign = cls._foreign_layout(folder, kwargs)
+        foreign = cls.read_layout(cls, pretrained_model_name_or_path, folder, kwargs) if cls.read_layout else None
         if foreign is not None:
             return foreign
         vocab = kwargs.pop("target_vocab_size", None)  # a check here, never a config override
@@ -579,30 +585,10 @@ class DSparkDraftModel(PreTrainedModel):
             problems.append("; ".join(info["error_msgs"]))
         if problems:
             raise ValueError(f"Malformed DSpark checkpoint {pretrained_model_name_or_path}: " + "; ".join(problems))
-        _check_vocab(pretrained_model_name_or_path, model, vocab)
+        check_vocab(pretrained_model_name_or_path, model, vocab)
         if (folder / DECODING_CONFIG_NAME).is_file():  # else a checkpoint from before the split: config.json's
             model.decoding = DecodingConfig.from_pretrained(folder)
         return (model, info) if want_info else model
-
-    @classmethod
-    def _foreign_layout(cls, name_or_path, kwargs: dict) -> DSparkDraftModel | None:
-        """Load checkpoints written by other implementations (DeepSpec, z-lab DFlash, speculators, transformers'
-        native DFlash drafters); ``None`` for our own layout.
-
-        Raises ``FileNotFoundError`` naming the path or file for a missing folder, config.json or weights file, and
-        ``ValueError`` naming the file for a damaged one or a config.json that is neither ours nor a layout we know."""
-        folder = checkpoint_folder(name_or_path, kwargs)
-        raw = read_config(folder)
-        fmt = registry.detect(raw)
-        if fmt is None:
-            raise registry.unknown_layout(name_or_path, raw)
-        check_weight_files(folder)
-        if fmt.load is None:  # our own layout: PreTrainedModel.from_pretrained reads it
-            return None
-        vocab = kwargs.get("target_vocab_size")  # transformers' native drafters do not record it: the caller does
-        model = fmt.load(cls, folder, raw, dtype=kwargs.get("dtype"), target_vocab_size=vocab)
-        _check_vocab(name_or_path, model, vocab)
-        return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Like ``PreTrainedModel.save_pretrained``, always safetensors; the borrowed target weights are not saved.
@@ -612,10 +598,8 @@ class DSparkDraftModel(PreTrainedModel):
         if kwargs.get("is_main_process", True):
             self.decoding.save_pretrained(save_directory)
         repo_id = getattr(self, "_pushing_to", None)
-        if repo_id is not None and kwargs.get("is_main_process", True):
-            from ..integration.hub_generate import write_custom_generate
-
-            write_custom_generate(save_directory, repo_id)
+        if repo_id is not None and kwargs.get("is_main_process", True) and self.write_hub_files is not None:
+            type(self).write_hub_files(save_directory, repo_id)
         return result
 
     def push_to_hub(self, repo_id: str, *args, **kwargs):

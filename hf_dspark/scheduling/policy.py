@@ -16,8 +16,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..decoding.config import PRICED_MODES, VERIFY_LAYOUTS
 from .recalibration import AcceptanceRecalibration
+
+# what a verify step is assumed to cost in a batch: ``padded`` verifies an [R, 1 + ℓ] block (whole columns),
+# ``packed`` the paper's per-token B = Σ_r (1 + ℓ_r) for engines with ragged kernels
+VERIFY_LAYOUTS = ("padded", "packed")
 
 
 class SPSProfile:
@@ -277,7 +280,7 @@ def drafting_pays(
     premium: float = 1.0,
 ) -> bool:
     """Whether a drafted round beats a plain decoding step, in expectation, by ``premium`` (what drafted rounds
-    were seen to cost over their price relative to plain ones: :class:`~hf_dspark.scheduling.costs.ObservedRounds`):
+    were seen to cost over their price relative to plain ones: :class:`~hf_dspark.decoding.costs.ObservedRounds`):
     confidences [A, γ] and the planned ``lengths`` [A] of the A rows still generating, in a padded verify of
     ``rows`` batch rows. A drafted round commits Σ_r (1 + Σ_{j ≤ ℓ_r} a_{r,j}) tokens (a = prefix survival) in
     ``draft_seconds`` + 1 / SPS(rows·(1 + max ℓ)) seconds; a plain step commits A tokens in 1 / SPS(rows) seconds.
@@ -309,73 +312,32 @@ def fill_top_k(confidences: torch.Tensor, capacity: int) -> list[int]:
     return lengths
 
 
-def choose_lengths(
-    mode, confidences, caps, history, sps, threshold, layout: str = "padded", recalibration=None
-) -> list[int]:
-    """Draft tokens each row verifies. ``caps`` [R] bound them (length limit; 0 for finished rows); confidences
-    beyond a cap count as 0, so the planners never admit them. ``history`` holds past rounds' confidences
-    (the asynchronous variant sizes its capacity from the one two rounds back; give them recalibrated).
-    ``layout``: ``padded`` plans whole columns of the [R, 1 + ℓ] verify block this loop runs (every row then
-    verifies up to its cap), ``packed`` plans tokens as the paper's Algorithm 1 does for ragged kernels
-    (B = Σ_r (1 + ℓ_r)). ``recalibration``: shifts the priced modes' confidences
-    (:mod:`hf_dspark.scheduling.recalibration`)."""
-    if layout not in VERIFY_LAYOUTS:
-        raise ValueError(f"verify_layout must be one of {VERIFY_LAYOUTS}, got {layout!r}")
-    if mode == "fixed" or confidences is None or confidences.shape[1] == 0:
-        return list(caps)
-    planner = column_plan(mode, layout, caps, sps, threshold, recalibration)
-    if planner is not None:
-        for k in range(confidences.shape[1]):
-            if not planner.admit(confidences[:, k]):
-                break
-        return planner.lengths
+def capped_confidences(
+    confidences: torch.Tensor, caps: list[int], recalibration: AcceptanceRecalibration | None = None
+) -> torch.Tensor:
+    """``confidences`` [R, γ] (recalibrated when ``recalibration`` is given) with every entry past row r's cap
+    ``caps[r]`` set to 0, so no planner admits it; on the host."""
     if recalibration is not None:
         confidences = recalibration.apply(confidences)
     allowed = torch.arange(confidences.shape[1], device=confidences.device)[None] < torch.tensor(caps)[:, None]
-    conf = torch.where(allowed, confidences, 0).cpu()
-    old = history[-2] if mode == "async" and len(history) >= 2 and history[-2].shape == conf.shape else None
-    if layout == "padded":  # async (column_plan covers scheduled); its first rounds have no old confidences
-        width = plan_capacity_width(old, sps) if old is not None else plan_verify_width(conf, sps)
-        return [min(width, cap) for cap in caps]
-    return plan_verify_lengths(conf, sps) if old is None else fill_top_k(conf, plan_capacity(old, sps))
+    return torch.where(allowed, confidences, 0).cpu()
 
 
-def column_plan(
-    mode: str, layout: str, caps: list[int], sps, threshold: float, recalibration=None, lookahead: bool = False
-) -> ColumnPlan | None:
-    """A :class:`ColumnPlan` for the modes whose plan closes at the first column no row verifies, so drafting can
-    stop there: ``threshold``, and ``scheduled`` on the padded layout (or one row, where a column is a token).
-    None for the others: ``fixed``, packed multi-row Algorithm 1 (a later column's token could sort before an
-    earlier row's) and ``async`` (it sizes from full past blocks). ``recalibration`` and ``lookahead`` (see
-    :class:`ColumnPlan`) apply to ``scheduled``."""
-    if mode == "threshold":
-        return ColumnPlan(caps, threshold=threshold)
-    if mode == "scheduled" and (layout == "padded" or len(caps) == 1):
-        return ColumnPlan(caps, sps=sps, recalibration=recalibration, lookahead=lookahead)
-    return None
-
-
-def choose_tree_nodes(
-    mode: str,
+def priced_tree_count(
     values: list[float],
-    sps: SPSProfile | None,
-    threshold: float,
+    sps: SPSProfile,
     draft_seconds: float = 0.0,
     rows: int = 1,
     generating: int = 1,
     lookahead: bool = False,
     premium: float = 1.0,
 ) -> tuple[int, bool]:
-    """How many of a tree's best nodes to verify, ``values`` being their path values (estimated probabilities that
-    the target's walk reaches them) in the order :meth:`hf_dspark.decoding.tree.TokenTree.ranked` gives them (ancestors
-    first, so every prefix of that order is ancestor-closed). -> (count, whether drafting paid for itself).
-
-    ``fixed`` takes them all; ``threshold`` the leading ones valued ≥ ``threshold`` (values fall along paths);
-    ``scheduled``/``async`` run Algorithm 1 over nodes: admit while τ·SPS(1 + B) rises, τ = 1 + Σ values, with the
-    drafting cost ``draft_seconds`` added to every step, and stop at the first non-improvement (the early stop
-    keeps the choice from depending on nodes below a rejected one). Drafting paid when the plan's expected rate
-    beats a plain step's (``sps(1)``) times ``premium`` (what a drafted round was seen to cost over its price,
-    relative to a plain one; :class:`~hf_dspark.scheduling.costs.ObservedRounds`) with at least one node.
+    """Algorithm 1 over a tree's ranked nodes (``values``: their path values, ancestors first): admit while
+    τ·SPS(1 + B) rises, τ = 1 + Σ values, with the drafting cost ``draft_seconds`` added to every step, and stop at
+    the first non-improvement (the early stop keeps the choice from depending on nodes below a rejected one).
+    -> (count, whether drafting paid: the plan's expected rate beats a plain step's, ``sps(rows)``, times
+    ``premium`` (what a drafted round was seen to cost over its price, relative to a plain one;
+    :class:`~hf_dspark.decoding.costs.ObservedRounds`) with at least one node).
 
     A batch of ``rows`` rows, ``generating`` of them still generating, verifies [rows, 1 + B] slots: ``values[i]``
     is then the sum over the generating rows of their (i + 1)-th best node's value, τ starts at ``generating`` (each
@@ -384,10 +346,6 @@ def choose_tree_nodes(
 
     ``lookahead`` (greedy decoding only, see ``DecodingConfig.greedy_lookahead``): the count with the best Θ of all,
     past any drop (the fewest nodes among equals)."""
-    if mode == "threshold":
-        return next((i for i, v in enumerate(values) if v < threshold), len(values)), True
-    if mode not in PRICED_MODES:
-        return len(values), True
     priced = sps.plus_seconds(draft_seconds)
     tau, theta, chosen = float(generating), generating * priced(rows), 0
     for B, value in enumerate(values, start=1):
@@ -409,7 +367,7 @@ def tree_rate(
     generating: int = 1,
 ) -> float:
     """Θ of a drafted round that verifies the ``count`` leading nodes of ``values`` (ranked, summed over the
-    ``generating`` rows as in :func:`choose_tree_nodes`): expected tokens committed per second of drafting and
+    ``generating`` rows as in :func:`priced_tree_count`): expected tokens committed per second of drafting and
     verifying, (generating + Σ values[:count]) · SPS'(rows · (1 + count)), SPS' being ``sps`` with ``draft_seconds``
     added to a step. What two ways of drafting the same round (a tree, its chain) are compared by."""
     return (generating + sum(values[:count])) * sps.plus_seconds(draft_seconds)(rows * (1 + count))
@@ -425,7 +383,7 @@ def lookahead_tree_settled(
     draft_seconds: float = 0.0,
     rows: int = 1,
 ) -> bool:
-    """Whether one row's ``lookahead`` choice of ``count`` nodes (:func:`choose_tree_nodes`) from a partly drafted
+    """Whether one row's ``lookahead`` choice of ``count`` nodes (:func:`priced_tree_count`) from a partly drafted
     tree is final: nodes still to come are each worth at most ``bound`` and rank after the ``head`` leading ones,
     so no prefix of the final ranking longer than ``head`` reaches τ beyond 1 + Σ values[:head] + (B − head)·bound.
     Final when ``count`` ≤ ``head`` and that bound's Θ stays at or below the chosen Θ for every B up to ``budget``

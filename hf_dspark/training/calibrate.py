@@ -17,7 +17,8 @@ import torch
 
 from ..integration.generate import dspark_generate
 from ..model.modeling_dspark import DSparkDraftModel
-from ..model.sts import OBJECTIVES, calibration_report, reliability_plot, sequential_temperature_scaling
+from ..model.sts import OBJECTIVES, calibration_report, sequential_temperature_scaling
+from ..plotting import reliability_plot
 from .data import left_pad
 from .features import target_outputs
 from .losses import block_predictions

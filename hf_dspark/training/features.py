@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..decoding.drafting import layer_outputs
-from ..integration.versions import takes_logits_to_keep
+from ..decoding.versions import takes_logits_to_keep
 
 
 def target_outputs(target, layer_ids: list[int], input_ids: torch.Tensor, valid: torch.Tensor):

@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .scheduling.modes import PRICED_MODES, VERIFY_MODES
+from .scheduling.policy import VERIFY_LAYOUTS
+
 DECODING_CONFIG_NAME = "decoding_config.json"
-VERIFY_MODES = ("auto", "fixed", "threshold", "scheduled", "async")
-PRICED_MODES = ("scheduled", "async")  # the modes that price a round with the SPS profile and the draft's cost
-VERIFY_LAYOUTS = ("padded", "packed")
 # The most tokens one row verifies in one forward (``verify_limit``, ``lookup_max_tokens``, a tree's node budget):
 # the SPS profile is measured at every width a call may verify before the call starts, so an unbounded width is a
 # hang, not a plan. 256 is 8x the widest tree measured to pay anywhere here (32 nodes), and past what EAGLE-2-style
@@ -61,7 +61,7 @@ class DecodingConfig:
             acceptance observed in that call's own earlier rounds (``hf_dspark.scheduling.recalibration``).
         cost_recalibration: (``scheduled``/``async`` with measured costs; no ``draft.sps_profile`` set) time each
             round against its price and ask a drafted round to beat a plain step by the premium drafted rounds
-            showed over plain ones in that call (``hf_dspark.scheduling.costs.ObservedRounds``). Greedy calls only:
+            showed over plain ones in that call (``hf_dspark.decoding.costs.ObservedRounds``). Greedy calls only:
             the output is the same whatever is verified, while a sampling call whose rounds followed wall time
             would draw other random numbers and lose its seeded reproducibility. Two greedy calls may then verify
             differently (their stats differ, never their tokens).

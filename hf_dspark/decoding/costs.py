@@ -27,10 +27,11 @@ from tqdm.auto import tqdm
 from transformers.generation import LogitsProcessorList
 from transformers.utils.logging import is_progress_bar_enabled
 
-from ..decoding.drafting import DraftContext, draft_block
-from ..decoding.lm_head import head_orientation, verify_head
 from ..model.modeling_dspark import DSparkDraftModel
-from .policy import SPSProfile
+from ..scheduling.policy import SPSProfile
+from ..settings import DecodingConfig
+from .drafting import DraftContext, draft_block
+from .lm_head import head_orientation, verify_head
 
 CACHE_DIR = Path(os.environ.get("HF_DSPARK_CACHE", "~/.cache/hf_dspark")).expanduser() / "sps"
 # A cached profile records how long a one-token step on a short cache took when it was measured (the probe). If the
@@ -121,8 +122,8 @@ def tree_draft_seconds(draft: DSparkDraftModel, top_k: int, rows: int = 1, conte
     backbone pass over the batch, then the head at every node of each row's tree expanded to the block's full
     depth (``top_k`` children per node). Measured like :func:`draft_seconds` once per setting. A batch's rounds
     share the backbone, so this is far less than ``rows`` times one row's cost."""
-    from ..decoding.proposers import DraftTreeProposer, TreeRequest
-    from ..decoding.tree import TokenTree
+    from .proposers import DraftTreeProposer, TreeRequest
+    from .tree import TokenTree
 
     device = draft.device
     table = measured_draft_seconds(draft)
@@ -308,7 +309,7 @@ def time_verify_steps(
     timing has run for two seconds, off where transformers' progress bars are off)."""
     from transformers import DynamicCache
 
-    from ..integration.versions import cache_argument
+    from .versions import cache_argument
 
     grid = sorted(set(grid))
     if rows < 1 or any(B % rows for B in grid):
@@ -345,3 +346,22 @@ def time_verify_steps(
                 cache.crop(-W)
                 bar.update()
     return {B: statistics.median(t[1:]) for B, t in times.items()}
+
+
+class PricedRounds:
+    """What the chain and tree schedules share: whether the call's mode prices its rounds, and each round's wall time
+    against its price (``observed``: :class:`ObservedRounds`, with measured costs). The loop drives either through
+    three methods: ``price(call, rows)`` (before the first round and after the batch shrinks), ``round(call,
+    state)`` and ``keep_rows(index)`` (after :meth:`~hf_dspark.decoding.state.DecodeState.compact`)."""
+
+    settings: DecodingConfig
+    observed: ObservedRounds | None
+
+    @property
+    def priced(self) -> bool:
+        return self.settings.priced
+
+    def time_round(self, seconds: float) -> None:
+        """A round just ran in ``seconds``: what it cost against its price (the premium a drafted round must pay)."""
+        if self.observed is not None:
+            self.observed.finish(seconds)

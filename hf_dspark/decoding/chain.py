@@ -1,0 +1,266 @@
+"""Chain rounds: each row verifies one drafted block (or, alone in the batch, a lookup continuation).
+
+Schedule.plan     what each row may verify this round: lookups, length caps, back-off, the column planner
+draft_block       (drafting.py) the drafted block, ended where the plan closes
+Schedule.lengths  the verify lengths from the block's confidences; back-off for the rounds that follow
+row_proposals     what each row verifies: its drafted block cut to its length, or its lookup continuation
+verify_block      each active row's anchor + proposal as one [R, W] block for one target forward
+accept            exact acceptance per row (verify.py), committed token by token against the stopping criteria
+chain_round       one round: the above in order, then both caches advance
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..scheduling.backoff import Backoff
+from ..scheduling.modes import choose_lengths, column_plan
+from ..scheduling.policy import ColumnPlan, SPSProfile, drafting_pays
+from ..scheduling.recalibration import AcceptanceRecalibration
+from ..settings import DecodingConfig
+from .checks import check_finite
+from .costs import ObservedRounds, PricedRounds, observed_rounds, premium, round_prices
+from .drafting import Proposal, draft_block
+from .lookup import lookups, one_hot_probs
+from .state import Call, DecodeState, Outputs, Rules, target_forward
+from .verify import verify_row
+
+
+@dataclass
+class RoundPlan:
+    """What each row may verify this round: ``caps`` [R] bound its draft tokens (0: finished, backing off, or
+    looked up), ``looked_up`` maps rows to the lookup continuation they verify instead, and ``planner`` (when the
+    mode plans column by column) closes the verify lengths as the draft's slots come."""
+
+    caps: list[int]
+    looked_up: dict[int, torch.Tensor]
+    planner: ColumnPlan | None
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.caps)
+
+
+@dataclass
+class RowProposal:
+    """What one row verifies this round: ``tokens`` [ℓ], their proposal distribution ``probs`` [ℓ, V] (sampling
+    only; one-hot for a lookup continuation) and the draft's ``confidences`` (ℓ floats) for a drafted block, None for
+    a lookup continuation, which neither the recalibration nor the stats count as drafted."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+    confidences: list[float] | None
+    looked_up: bool = False
+
+
+def row_proposals(
+    plan: RoundPlan, proposal: Proposal, lengths: list[int], vocab_size: int, do_sample: bool
+) -> list[RowProposal]:
+    """Each row's proposal for this round (``lengths`` [R]: tokens it verifies): the one place where drafted blocks
+    and lookup continuations meet; verification, acceptance and the schedule read only the result."""
+    confidences = proposal.confidences.tolist() if proposal.confidences is not None else None  # one transfer
+    rows = []
+    for r, ell in enumerate(lengths):
+        found = plan.looked_up.get(r)
+        if found is not None:  # a deterministic proposal: q is one-hot (greedy needs no q)
+            rows.append(RowProposal(found, one_hot_probs(found, vocab_size) if do_sample else None, None, True))
+            continue
+        q = proposal.probs[r, :ell] if proposal.probs is not None else None
+        rows.append(RowProposal(proposal.tokens[r, :ell], q, None if confidences is None else confidences[r][:ell]))
+    return rows
+
+
+@dataclass
+class Schedule(PricedRounds):
+    """How many draft tokens each row verifies, round after round (``settings.verify_mode``), and when not to draft.
+
+    When a drafted round was not worth its cost in expectation (:func:`drafting_pays`: the tokens its plan expected
+    per second of drafting + verifying, against a plain step), the next rounds do not draft (``backoff``: doubling,
+    reset by a drafted round that pays). Those rounds are plain decode steps through the same
+    verify path, so the output is unchanged.
+    """
+
+    settings: DecodingConfig
+    draft_tokens: int  # the draft's tokens per block (``num_draft_tokens``)
+    sps: SPSProfile | None = None  # the target's verify steps per second (priced modes)
+    drafting: float = 0.0  # seconds of one draft block
+    planning: SPSProfile | None = None  # ``sps`` with the draft block's cost added to every step
+    confidences: list[torch.Tensor] = field(default_factory=list)  # the last two drafted rounds' (async: the older)
+    backoff: Backoff = field(default_factory=Backoff)  # rounds that do not draft after a round that did not pay
+    lookup_width: int | None = None  # ``lookup_adaptive``: the most tokens the next lookup verifies (None: γ)
+    recalibration: AcceptanceRecalibration | None = None  # priced modes: the head's confidences, shifted per call
+    observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
+
+    def __post_init__(self):
+        if self.priced and self.settings.confidence_recalibration:
+            self.recalibration = AcceptanceRecalibration(self.draft_tokens)
+
+    def price(self, call: Call, rows: int) -> None:
+        """Price rounds of ``rows`` batch rows; with measured costs (no ``draft.sps_profile``) and
+        ``cost_recalibration``, also time the call's rounds against those prices
+        (:class:`~hf_dspark.decoding.costs.ObservedRounds`): a drafted round must then beat a plain step by the
+        premium they show."""
+        if self.priced:
+            self.sps, self.drafting, self.planning = round_prices(call.draft, call.target, rows, call.rules.do_sample)
+            self.observed = observed_rounds(self.observed, call.draft, self.settings.cost_recalibration)
+
+    def plan(self, state: DecodeState, max_length: int) -> RoundPlan:
+        s = self.settings
+        limit = min(self.draft_tokens, s.verify_limit if s.verify_limit is not None else self.draft_tokens)
+        room = state.room(limit, max_length)
+        # a row whose recent tokens repeat earlier ones verifies what followed them instead of a drafted block, when
+        # it is the only row running: in a batch every row shares the verify block's width, and lookups, which no
+        # plan prices, widened it past what the scheduler pays for (R = 4: 58 tok/s against 67 scheduled)
+        alone = s.lookup_max_ngram > 0 and len(state.active) == 1
+        looked_up = lookups(s, state.histories(), self.lookup_room(state, max_length)) if alone else {}
+        sits_out = self.backoff.sit_out()
+        caps = [0 if sits_out or r in looked_up else room[r] for r in range(state.size)]
+        planner = column_plan(
+            s.verify_mode, s.verify_layout, caps, self.planning, s.confidence_threshold, self.recalibration,
+            s.greedy_lookahead,
+        )  # fmt: skip
+        return RoundPlan(caps, looked_up, planner)
+
+    def lookup_room(self, state: DecodeState, max_length: int) -> list[int]:
+        """The most tokens each row's lookup continuation may verify this round: ``lookup_max_tokens`` (γ when
+        ``None``; with ``lookup_adaptive``, the width its past lookups earned), within ``verify_limit`` and the room
+        left before ``max_length``."""
+        s = self.settings
+        limit = s.lookup_max_tokens or self.draft_tokens
+        if s.lookup_adaptive:
+            limit = min(limit, self.lookup_width or self.draft_tokens)
+        if s.verify_limit is not None:
+            limit = min(limit, s.verify_limit)
+        return state.room(limit, max_length)
+
+    def observe(self, rows: list[RowProposal], kept: torch.Tensor) -> None:
+        """After a verify (``kept`` [R, W]: the anchor and accepted slots per row): each drafted row's acceptance
+        feeds the recalibration. With ``lookup_adaptive``, a lookup accepted in full makes the next lookup's width
+        twice its length (at least γ: a short continuation accepted whole is no reason to verify less than a
+        drafted block; at most ``lookup_max_tokens``), one cut short sets it back to γ. Only one row looks up in a
+        round, so one width serves the call."""
+        if self.recalibration is not None:
+            for r, row in enumerate(rows):
+                if row.confidences:
+                    self.recalibration.observe(row.confidences, int(kept[r].sum()) - 1)
+        if not self.settings.lookup_adaptive:
+            return
+        for r, row in enumerate(rows):
+            if row.looked_up:
+                ell = row.tokens.shape[0]
+                cap = self.settings.lookup_max_tokens or self.draft_tokens
+                whole = int(kept[r].sum()) - 1 == ell
+                self.lookup_width = max(self.draft_tokens, min(2 * ell, cap)) if whole else None
+
+    def lengths(self, plan: RoundPlan, proposal: Proposal, state: DecodeState) -> list[int]:
+        """Tokens each row verifies: the plan's (closed while drafting, or chosen now from the whole block), a
+        looked-up row's whole continuation. Sets the back-off from what the drafted rows' plan expected."""
+        s, conf = self.settings, proposal.confidences
+        if plan.planner is not None:
+            lengths = plan.planner.lengths
+        else:
+            lengths = choose_lengths(
+                s.verify_mode, conf, plan.caps, self.confidences, self.planning, s.confidence_threshold,
+                s.verify_layout, self.recalibration,
+            )  # fmt: skip
+        drafted_round = conf is not None and conf.shape[1] > 0
+        if self.observed is not None:
+            width = 1 + max([lengths[r] for r in state.active] + [plan.looked_up[r].shape[0] for r in plan.looked_up])
+            self.observed.expect(drafted_round, 1 / self.sps(state.size * width) + self.drafting * drafted_round)
+        if drafted_round:
+            priced = conf if self.recalibration is None else self.recalibration.apply(conf)
+            self.confidences = [*self.confidences[-1:], priced.cpu()]
+            if self.priced:
+                drafted = [r for r in state.active if r not in plan.looked_up]
+                expected = [lengths[r] for r in drafted]
+                pays = drafting_pays(
+                    self.confidences[-1][drafted], expected, state.size, self.sps, self.drafting, premium(self.observed)
+                )
+                self.backoff.judge(pays)
+        for r, found in plan.looked_up.items():
+            lengths[r] = found.shape[0]
+        return lengths
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` [R'] of the remembered confidences (after :meth:`DecodeState.compact`)."""
+        self.confidences = [c[index.cpu()] for c in self.confidences]
+
+    def round(self, call: Call, state: DecodeState) -> None:
+        chain_round(call, self, state)
+
+
+@dataclass
+class VerifyBlock:
+    """Each active row's anchor + proposal, padded into one block: ``tokens`` [R, W], ``valid`` [R, W] (False for
+    padding and finished rows), ``positions`` [R, W]."""
+
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+
+
+def verify_block(state: DecodeState, rows: list[RowProposal], pad_id: int) -> VerifyBlock:
+    R, device = state.size, state.tokens.device
+    width = max(rows[r].tokens.shape[0] + 1 for r in state.active)
+    tokens = torch.full((R, width), pad_id, dtype=torch.long, device=device)
+    valid = torch.zeros(R, width, dtype=torch.bool, device=device)
+    for r in state.active:
+        ell = rows[r].tokens.shape[0]
+        tokens[r, 0] = state.tokens[r, state.lengths[r] - 1]
+        tokens[r, 1 : 1 + ell] = rows[r].tokens
+        valid[r, : ell + 1] = True
+    positions = state.anchor_positions[:, None] + torch.arange(width, device=device)
+    return VerifyBlock(tokens, valid, positions)
+
+
+def accept(
+    state: DecodeState,
+    block: VerifyBlock,
+    raw: torch.Tensor,
+    rows: list[RowProposal],
+    rules: Rules,
+    outputs: Outputs,
+) -> torch.Tensor:
+    """Exact acceptance for every active row against the target's raw logits [R, W, V]; commits each row's accepted
+    drafts + its correction/bonus token. -> kept [R, W]: the slots that now hold committed tokens."""
+    kept = torch.zeros_like(block.valid)
+    for r in state.active:
+        row = rows[r]
+        ell = row.tokens.shape[0]
+        n, nxt, scores = verify_row(
+            row.tokens, row.probs, raw[r, : ell + 1], state.history(r), rules.processors, rules.do_sample
+        )
+        new = torch.cat([row.tokens[:n], nxt[None]])
+        committed = state.commit(r, new, scores, rules.stopping)
+        outputs.stats.record(ell, n, committed, row.confidences, looked_up=row.looked_up)
+        if outputs.wanted:
+            outputs.emit(new[:committed], scores, raw[r])
+        kept[r, : n + 1] = True
+        state.anchor_positions[r] += n + 1
+    return kept
+
+
+def chain_round(call: Call, schedule: Schedule, state: DecodeState) -> None:
+    """One chain round: plan, draft, choose lengths, verify every active row's block in one forward, accept, and
+    advance both caches (unless no row is left)."""
+    start, rules, stats = time.perf_counter(), call.rules, call.outputs.stats
+    plan = schedule.plan(state, call.max_length)
+    proposal = draft_block(
+        call.draft, *state.draft_inputs(), plan.max_tokens, rules.processors, rules.do_sample, plan.planner
+    )
+    lengths = schedule.lengths(plan, proposal, state)
+    stats.verify_rounds.append([lengths[r] for r in state.active])
+    rows = row_proposals(plan, proposal, lengths, call.vocab_size, rules.do_sample)
+    block = verify_block(state, rows, call.pad_id)
+    mask = state.attention_mask(block.valid)
+    out, fused = target_forward(call.target, block.tokens, block.positions, mask, call.cache, call.tap)
+    raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
+    check_finite(raw, block.valid)
+    kept = accept(state, block, raw, rows, rules, call.outputs)
+    schedule.observe(rows, kept)
+    if state.active:
+        state.advance(kept, fused, block.positions)
+        schedule.time_round(time.perf_counter() - start)  # acceptance read the logits on the host: it is done
