@@ -91,11 +91,10 @@ def dspark_decode(
     compact = hasattr(cache, "batch_select_indices") and not returned
     settings = call_settings(draft, settings, g.do_sample)
     pad_id = int(g._pad_token_tensor) if g._pad_token_tensor is not None else 0
-    vocab_size = target.config.get_text_config().vocab_size
     rules = Rules(logits_processor, g.do_sample, stopping_criteria)
     with LayerTap(target, draft) as tap:
-        call = Call(target, draft, cache, tap, rules, outputs, g.max_length, pad_id, vocab_size)
-        state = prefill(target, draft, input_ids, model_kwargs, cache, tap, rules, g.max_length, pad_id, outputs)
+        call = Call(target, draft, cache, tap, rules, outputs, g.max_length, pad_id)
+        state = prefill(call, input_ids, model_kwargs)
         rounds = schedule(call, settings, state)
         while state.active:
             stats.round_rows.append([state.rows[r] for r in state.active])

@@ -14,6 +14,7 @@ at the end of a round are cropped, so a single row never carries holes. docs/des
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,20 +198,11 @@ class Outputs:
             self.streamer.put(tokens.cpu())
 
 
-def prefill(
-    target,
-    draft,
-    input_ids,
-    model_kwargs: dict,
-    cache,
-    tap: LayerTap,
-    rules: Rules,
-    max_length: int,
-    pad_id: int,
-    outputs: Outputs,
-) -> DecodeState:
+def prefill(call: Call, input_ids: torch.Tensor, model_kwargs: dict) -> DecodeState:
     """The prompt [R, P] through the target (the last position's logits only) -> the decode state: the target's
     cache and the draft's queued context hold the prompt, and each row holds its first new token as its anchor."""
+    target, draft, cache, tap, rules, outputs = call.target, call.draft, call.cache, call.tap, call.rules, call.outputs
+    max_length, pad_id = call.max_length, call.pad_id
     R, device = input_ids.shape[0], input_ids.device
     attention_mask = model_kwargs.get("attention_mask")
     cache_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -243,8 +235,7 @@ def prefill(
 @dataclass
 class Call:
     """What every round of one ``generate`` call reads: the two models, the target's cache, the layer tap that
-    fuses the draft's context during target forwards, the rules, the outputs, ``max_length``, the pad id and the
-    target's vocabulary size."""
+    fuses the draft's context during target forwards, the rules, the outputs, ``max_length`` and the pad id."""
 
     target: Any
     draft: Any
@@ -254,4 +245,8 @@ class Call:
     outputs: Outputs
     max_length: int
     pad_id: int
-    vocab_size: int
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size (read once a call)."""
+        return self.target.config.get_text_config().vocab_size
