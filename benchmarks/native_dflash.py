@@ -38,8 +38,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
+from benchmarks.readme_tables import replace_block
 from hf_dspark import DSparkDraftModel, dspark_generate
-from hf_dspark.evaluation.readme import replace_block
 from hf_dspark.testing import chi_square_pvalue, exact_first_tokens
 
 IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.readme_tables import replace_block
 from hf_dspark import DSparkDraftModel, dspark_generate, embedded, measure_sps
 from hf_dspark.decoding import chain, costs
 from hf_dspark.evaluation.evaluate import load_prompts
-from hf_dspark.evaluation.readme import replace_block
 
 DOMAINS = ["gsm8k", "humaneval", "mt-bench", "mbpp", "math500"]
 

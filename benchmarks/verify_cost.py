@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.readme_tables import replace_block
 from hf_dspark import embedded
 from hf_dspark.decoding.costs import time_verify_steps
-from hf_dspark.evaluation.readme import replace_block
 
 
 def markdown(result: dict) -> str:

@@ -10,11 +10,13 @@ It rewrites the results block of ``docs/results.md`` and the summary block of ``
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from hf_dspark.evaluation.readme import write_results
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the repository's benchmarks/ holds the table writers
+
+from benchmarks.readme_tables import write_results  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -364,7 +364,7 @@ def test_results_merge_bench_runs_keeping_each_runs_baseline(tmp_path):
     """Two bench runs (e.g. a draft benchmarked later) in one table: every ratio stays against its own run's plain,
     the second run's baselines are shown and marked, eval runs concatenate, plots are written; runs over different
     prompt counts refuse to merge."""
-    from hf_dspark.evaluation.readme import merge_bench
+    from benchmarks.readme_tables import merge_bench
 
     main = _write_results_main()
 

@@ -97,11 +97,19 @@ def test_a_foreign_layout_with_a_damaged_file_is_named_too(tmp_path):
 # ----- state ------------------------------------------------------------------------------------------------
 
 
-def test_stats_exist_before_the_first_call(pair, saved):
-    for draft in (pair[1], DSparkDraftModel.from_pretrained(saved)):
-        assert isinstance(draft.stats, DSparkStats)
-        assert (draft.stats.rounds, draft.stats.tau) == (0, 0.0)
-        assert draft.stats.position_acceptance() == [None] * 4
+def test_stats_come_with_each_call_and_the_draft_only_points_at_the_last(pair, saved):
+    """Run-time statistics are each call's own (``dspark_stats`` on a dict output); the model keeps none of its own
+    (a fresh or loaded draft has ``stats`` None) and ``draft.stats`` is only the last finished call's."""
+    target, draft = pair
+    for fresh in (draft, DSparkDraftModel.from_pretrained(saved)):
+        assert fresh.stats is None
+    ids = torch.tensor([[3, 7, 11, 5]])
+    out = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=draft, return_dict_in_generate=True)
+    assert isinstance(out.dspark_stats, DSparkStats) and out.dspark_stats.rounds > 0
+    assert draft.stats is out.dspark_stats
+    assert len(out.dspark_stats.position_acceptance()) == draft.config.num_draft_tokens
+    again = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=draft, return_dict_in_generate=True)
+    assert again.dspark_stats is not out.dspark_stats and draft.stats is again.dspark_stats
 
 
 @pytest.mark.parametrize("route", ["assistant_model", "custom_generate"])

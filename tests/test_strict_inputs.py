@@ -211,15 +211,12 @@ def test_from_pretrained_passes_download_options_to_the_layout_probe(monkeypatch
         return str(tmp_path / "snap")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    from hf_dspark.model.modeling_dspark import DSparkDraftModel as Model
+    from hf_dspark.compat import read_layout
+    from hf_dspark.model.checkpoint_files import checkpoint_folder
 
-    assert (
-        Model._foreign_layout(
-            "org/draft",
-            {"revision": "v2", "token": "t", "cache_dir": "c", "subfolder": "sub", "local_files_only": True},
-        )
-        is None
-    )
+    options = {"revision": "v2", "token": "t", "cache_dir": "c", "subfolder": "sub", "local_files_only": True}
+    folder = checkpoint_folder("org/draft", options)
+    assert read_layout(DSparkDraftModel, "org/draft", folder, options) is None  # our own layout
     assert seen == {
         "repo_id": "org/draft",
         "revision": "v2",

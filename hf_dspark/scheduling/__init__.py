@@ -1,7 +1,8 @@
-"""Scheduling: how many draft tokens (or tree nodes) each round verifies.
+"""Scheduling: how many draft tokens (or tree nodes) each round verifies; pure, it imports nothing of the package.
 
 ``policy.py`` is the policy and only that, pure functions of numbers: the SPS profile as a table, the paper's
-Algorithm 1 and its variants, the column plan, back-off, trees' node choice. ``recalibration.py`` shifts the
-confidences a call observes against what it accepts. ``costs.py`` holds every measurement the policy is fed:
-timed verify steps, SPS profiles and their disk cache, the staleness probe, the draft's own cost.
+Algorithm 1 and its variants, the column plan, trees' priced node choice. ``modes/`` holds the verify modes, one
+registered object a file, and the functions the loop asks them through. ``backoff.py`` is the doubling back-off
+both schedules use. ``recalibration.py`` shifts the confidences a call observes against what it accepts. What
+measures costs by running the models lives in ``hf_dspark.decoding.costs``.
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import bench, evaluate
+from hf_dspark.evaluation import bench, evaluate
 
 
 def results_section(eval_results: list[dict], bench_results: list[dict]) -> str:
