@@ -70,17 +70,19 @@ class DraftAttention(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
 
-    def key_values(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [R, L, d], positions [R, L] -> keys, values [R, KV, L, head_dim] (keys normed and rotated)."""
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+    def key_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """x [R, L, d], ``rope`` (cos, sin) of its positions (:meth:`DSparkDraftModel.rope`) -> keys, values
+        [R, KV, L, head_dim] (keys normed and rotated)."""
+        cos, sin = (t.to(x.dtype) for t in rope)
         k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
         return k, self._heads(self.v_proj(x), self.num_kv_heads)
 
-    def forward(self, x, positions, ctx_k, ctx_v, attn_mask=None):
-        """x [R, γ', d] block states; ctx_k/ctx_v [R, KV, L, hd]; attn_mask [R, γ', L + γ'] bool or None."""
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+    def forward(self, x, rope, ctx_k, ctx_v, attn_mask=None):
+        """x [R, γ', d] block states; ``rope`` (cos, sin) of their positions, the same for every layer (computed
+        once a forward); ctx_k/ctx_v [R, KV, L, hd]; attn_mask [R, γ', L + γ'] bool or None."""
+        cos, sin = (t.to(x.dtype) for t in rope)
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
-        k, v = self.key_values(x, positions)
+        k, v = self.key_values(x, rope)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         mask = None if attn_mask is None else attn_mask[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
@@ -108,8 +110,8 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
 
-    def forward(self, x, positions, ctx_k, ctx_v, attn_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, attn_mask)
+    def forward(self, x, rope, ctx_k, ctx_v, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_k, ctx_v, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -429,7 +431,13 @@ class DSparkDraftModel(PreTrainedModel):
     def fused_key_values(self, fused: torch.Tensor, positions: torch.Tensor):
         """:meth:`context_key_values` from the fused context [R, L, d] (:meth:`fuse_context`'s output)."""
         h = self.hidden_norm(fused)
-        return [layer.self_attn.key_values(h, positions) for layer in self.layers]
+        rope = self.rope(positions)
+        return [layer.self_attn.key_values(h, rope) for layer in self.layers]
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [R, 1, L, head_dim] of ``positions`` [R, L] in float64, computed once a forward: every layer
+        rotates with the same ones, cast to its own activations' dtype (the values it computed for itself before)."""
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, torch.float64)
 
     def embed_block(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """anchor_ids [...] -> block inputs [..., γ, d]: the anchor's embedding then γ-1 mask embeddings."""
@@ -467,9 +475,9 @@ class DSparkDraftModel(PreTrainedModel):
         if len(context) != len(self.layers):
             raise ValueError(f"context has {len(context)} layers, the draft has {len(self.layers)}")
         masks = self.layer_masks(block_positions, context_positions, attention_mask)
-        x = block_embeds
+        x, rope = block_embeds, self.rope(block_positions)
         for layer, (k, v), mask in zip(self.layers, context, masks, strict=True):
-            x = layer(x, block_positions, k, v, mask)
+            x = layer(x, rope, k, v, mask)
         h = self.norm(x)
         return DSparkOutput(logits=self.draft_logits(h) if compute_logits else None, hidden_states=h)
 
