@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import embedded
-from .cli import lookup_ngram, positive_int
+from .cli import add_decoding_flags, decoding_overrides, positive_int
 from .decoding.costs import CACHE_DIR
 from .evaluation.bench import warm_up
 from .evaluation.evaluate import chat_ids
@@ -61,13 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto: bfloat16 where the CPU has native bf16 units, else float32")  # fmt: skip
-    ap.add_argument("--lookup", type=lookup_ngram, default=None, metavar="N",
-                    help="lookup drafting, n-grams of N..2 tokens (0: off; default: the draft's config)")  # fmt: skip
+    add_decoding_flags(ap, aliases={"lookup_max_ngram": ["--lookup"]})  # --lookup N: lookup drafting, N-grams down
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    given = decoding_overrides(args)  # this run's decoding settings, checked before anything loads
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = embedded.fast_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> None:
             "      Its output is still exactly the target's (DSpark is lossless), but expect a slowdown, not a speedup."
         )
 
-    shortest = min(draft.decoding.lookup_min_ngram, args.lookup) if args.lookup else None  # --lookup 1: 1-grams
-    settings = draft.decoding.replace(lookup_max_ngram=args.lookup, lookup_min_ngram=shortest)  # this run's own
+    if given.get("lookup_max_ngram") and "lookup_min_ngram" not in given:  # --lookup 1: 1-grams
+        given["lookup_min_ngram"] = min(draft.decoding.lookup_min_ngram, given["lookup_max_ngram"])
+    settings = draft.decoding.replace(**given)  # this run's own: the draft's config is left as it is
     lookup = settings.lookup_max_ngram
     longest = settings.lookup_max_tokens or draft.config.num_draft_tokens
     grows = " (growing from γ while lookups are accepted in full)" if settings.lookup_adaptive else ""
@@ -105,8 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         ref = target.generate(ids, **kw)
         t1 = time.perf_counter()
-        out = target.generate(ids, custom_generate=dspark_generate, draft=draft, lookup_max_ngram=lookup,
-                              lookup_min_ngram=settings.lookup_min_ngram, **kw)  # fmt: skip
+        out = target.generate(ids, custom_generate=dspark_generate, draft=draft, **given, **kw)
         t2 = time.perf_counter()
         same = out.tolist() == ref.tolist()
         n = ref.shape[1] - ids.shape[1]

@@ -14,12 +14,13 @@ import json
 import math
 import re
 import sys
+import typing
 import warnings
 from pathlib import Path
 
 import torch
 
-from .settings import MAX_LOOKUP_NGRAM, MAX_VERIFY_WIDTH
+from .settings import MAX_LOOKUP_NGRAM, MAX_VERIFY_WIDTH, DecodingConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -133,6 +134,67 @@ def host(value: str) -> str:
 
 port = int_range(1, 65535)
 lookup_ngram = int_range(0, MAX_LOOKUP_NGRAM)
+
+
+def _setting_kinds(name: str) -> set:
+    """The types a ``DecodingConfig`` field takes: {int, NoneType} for ``int | None``."""
+    hint = typing.get_type_hints(DecodingConfig)[name]
+    return set(typing.get_args(hint)) or {hint}
+
+
+def setting_value(name: str):
+    """An argparse type for the ``DecodingConfig`` field ``name``: the text read as the field's type (``true`` or
+    ``false`` for a switch, ``none`` where the field may be ``None``), then checked as ``DecodingConfig`` checks it,
+    with its message."""
+    kinds = _setting_kinds(name)
+
+    def parse(text: str):
+        word = text.strip().lower()
+        if word == "none" and type(None) in kinds:
+            value = None
+        elif bool in kinds:
+            if word not in ("true", "false"):
+                raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+            value = word == "true"
+        elif int in kinds:
+            value = _int(text)
+        elif float in kinds:
+            value = _float(text)
+        else:
+            value = text
+        try:
+            DecodingConfig(**{name: value})
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+    return parse
+
+
+def add_decoding_flags(parser: argparse.ArgumentParser, defaults: dict | None = None, aliases: dict | None = None):
+    """One flag per ``DecodingConfig`` field (``verify_mode`` -> ``--verify-mode``), generated from the dataclass (its
+    type, its check, its docstring entry as the help) so that a new setting is a flag without touching this file;
+    each defaults to ``None`` (the draft's own setting) unless ``defaults`` names another, and ``aliases`` adds
+    older spellings ({field: ["--lookup"]})."""
+    group = parser.add_argument_group("decoding settings (default: the draft's own, from its decoding_config.json)")
+    for name in DecodingConfig.field_names():
+        flags = ["--" + name.replace("_", "-"), *(aliases or {}).get(name, [])]
+        metavar = "true|false" if bool in _setting_kinds(name) else name.rsplit("_", 1)[-1].upper()
+        default = (defaults or {}).get(name)
+        help = DecodingConfig.describe(name).replace("``", "").replace("%", "%%")
+        help += f" (default: {default})" if default is not None else ""
+        group.add_argument(*flags, dest=name, type=setting_value(name), default=default, metavar=metavar, help=help)
+
+
+def decoding_overrides(args: argparse.Namespace) -> dict:
+    """The decoding settings a command line gave (the flags :func:`add_decoding_flags` made), ``None`` left out;
+    ``SystemExit`` naming the problem when they do not fit together (checked over the defaults, before any load)."""
+    given = {name: getattr(args, name) for name in DecodingConfig.field_names() if getattr(args, name) is not None}
+    try:
+        DecodingConfig().replace(**given)
+    except ValueError as err:
+        raise SystemExit(f"decoding settings: {err}") from None
+    return given
 
 
 def folder_path(value: str) -> str:
@@ -331,6 +393,7 @@ def cmd_eval(args) -> None:
     folders = draft_specs(args.draft)
     check_datasets(args.datasets)
     check_target(args.target)
+    settings = decoding_overrides(args)
     target, tokenizer = load_target(args.target, args.dtype)
     drafts = _load_drafts(folders, target)
     results = [
@@ -343,8 +406,7 @@ def cmd_eval(args) -> None:
             args.max_new_tokens,
             temperature,
             label,
-            args.lookup,
-            verify_mode=args.verify_mode,
+            settings=settings,
         )
         for label, draft in drafts.items()
         for name in args.datasets
@@ -450,7 +512,6 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .compat import FORMATS, exportable
     from .model.heads import HEADS
-    from .settings import VERIFY_MODES
 
     ap = argparse.ArgumentParser(
         prog="hf-dspark",
@@ -565,10 +626,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=positive_int, default=None, help="prompts per dataset (default: all)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
     p.add_argument("--temperatures", type=non_negative_float, nargs="+", default=[0.0, 1.0], help="0 means greedy")
-    p.add_argument("--verify-mode", default=None, choices=[m for m in VERIFY_MODES if m != "auto"],
-                   help="how many draft tokens each round verifies (default: the draft's config)")  # fmt: skip
-    p.add_argument("--lookup", type=lookup_ngram, default=0, metavar="N",
-                   help="decode with lookup drafting, n-grams of N tokens (0: the draft alone)")  # fmt: skip
+    # lookup drafting is off unless asked (the draft alone is measured), whatever the draft's config says
+    add_decoding_flags(p, defaults={"lookup_max_ngram": 0}, aliases={"lookup_max_ngram": ["--lookup"]})
     p.add_argument(
         "--out", default="eval-results", type=folder_path, help="folder for eval.json, eval.md and the plots"
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +131,14 @@ class DecodingConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def describe(cls, name: str) -> str:
+        """The field's entry in this class's docstring, on one line (what the CLI's generated flags show)."""
+        entries = re.split(r"\n {8}(?=[a-z_, ]+: )", cls.__doc__)
+        entry = next(e for e in entries if name in e.split(":", 1)[0].replace(" ", "").split(","))
+        text = " ".join(entry.split(":", 1)[1].split())
+        return re.split(r"(?<=[a-z)`]\.) ", text)[0].split(" Lookup drafting (")[0].split(" Token trees (")[0]
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field that cannot work."""

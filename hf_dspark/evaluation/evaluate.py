@@ -99,20 +99,20 @@ def evaluate(
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     label: str = "dspark",
-    lookup: int = 0,
     progress: bool = True,
-    verify_mode: str | None = None,
+    settings: dict | None = None,
 ) -> dict:
     """Run DSpark generation over ``dataset`` and return :func:`summarize` plus the settings (``label`` names the
-    draft in tables and plots). ``lookup``: the ``lookup_max_ngram`` to decode with; 0 (the default) measures the
-    draft alone, whatever its saved settings say. ``verify_mode``: this run's (``None``: the draft's own). Both are
-    per-call settings: ``draft.decoding`` is never changed."""
+    draft in tables and plots). ``settings``: this run's decoding settings (``DecodingConfig`` fields; the rest are
+    the draft's own, which are never changed); lookup drafting is off unless ``settings`` turns it on
+    (``lookup_max_ngram``), so the draft alone is measured whatever its saved settings say."""
     prompts = load_prompts(dataset, limit)
-    settings = {"lookup_max_ngram": lookup, "verify_mode": verify_mode}
+    settings = {"lookup_max_ngram": 0, **(settings or {})}
     result = _evaluate(target, tokenizer, draft, prompts, dataset, max_new_tokens, temperature, progress, settings)
     result.update(draft=label, dataset=dataset, max_new_tokens=max_new_tokens, temperature=temperature,
-                  verify_mode=verify_mode or draft.decoding.verify_mode, block_size=draft.config.block_size,
-                  lookup_max_ngram=lookup, **run_context(target))  # fmt: skip
+                  verify_mode=settings.get("verify_mode") or draft.decoding.verify_mode,
+                  block_size=draft.config.block_size, lookup_max_ngram=settings["lookup_max_ngram"],
+                  **run_context(target))  # fmt: skip
     return result
 
 
