@@ -38,7 +38,7 @@ from transformers import TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from hf_dspark import DSparkDraftModel, dspark_generate
-from hf_dspark.cli import host, port
+from hf_dspark.cli_arguments import host, port
 from hf_dspark.evaluation.bench import warm_up
 from hf_dspark.evaluation.ties import first_divergence, upcast_copy
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import embedded
-from .cli import add_decoding_flags, decoding_overrides, positive_int
+from .cli_arguments import add_decoding_flags, decoding_overrides, positive_int
 from .decoding.costs import CACHE_DIR
 from .evaluation.bench import warm_up
 from .evaluation.evaluate import chat_ids

@@ -46,6 +46,7 @@ LAYERS = [
     "cards",
     "embedded",
     "testing",
+    "cli_arguments",
     "__init__",
     "cli",
     "__main__",

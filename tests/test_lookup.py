@@ -344,6 +344,8 @@ def test_eval_measures_the_draft_alone_unless_asked_for_lookup(tmp_path):
     alone = evaluate(target, tok, draft, str(prompts), max_new_tokens=24, progress=False)
     assert alone["lookup_max_ngram"] == 0 and not any(draft.stats.looked_up)
     assert draft.decoding.lookup_max_ngram == 3  # restored
-    mixed = evaluate(target, tok, draft, str(prompts), max_new_tokens=24, progress=False, settings={"lookup_max_ngram": 2})
+    mixed = evaluate(
+        target, tok, draft, str(prompts), max_new_tokens=24, progress=False, settings={"lookup_max_ngram": 2}
+    )
     assert mixed["lookup_max_ngram"] == 2 and any(draft.stats.looked_up)
     assert draft.decoding.lookup_max_ngram == 3

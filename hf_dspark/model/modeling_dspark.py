@@ -1,9 +1,9 @@
 """`DSparkDraftModel`: the parallel backbone with KV injection plus its sequential and confidence heads
 (docs/method.md, "Parallel backbone").
 
-Read top to bottom: norms and RoPE, one draft layer (attention whose keys/values are [context ; block]), the model
-(context projection, block embedding, backbone forward), then the target wiring (identity checks, shared embedding
-and LM head, ``from_target``).
+Read top to bottom: the model (context projection, block embedding, backbone forward), then the target wiring
+(identity checks, shared embedding and LM head, ``from_target``), then checkpoints. The layers it stacks are in
+``layers.py``; the draft vocabulary (a subset of the target's tokens to propose from) in ``vocabulary.py``.
 
 Shapes: R rows, L context positions, γ = block_size, d = hidden_size, V = vocabulary, m = len(target_layer_ids).
 """
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
@@ -24,95 +23,8 @@ from ..settings import DECODING_CONFIG_NAME, DecodingConfig
 from .checkpoint_files import checkpoint_folder
 from .configuration_dspark import DSparkConfig
 from .heads import ConfidenceHead, build_sequential_head
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float() if dtype in (torch.float16, torch.bfloat16) else x
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """positions [R, L] -> cos, sin [R, 1, L, head_dim] (HF rotate-half convention)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
-    freqs = positions.to(torch.float64)[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-class DraftAttention(nn.Module):
-    """Queries from the block only; keys/values are [W_K H_ctx ; W_K H_block] with RoPE at true positions."""
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.rope_theta = c.rope_theta
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else nn.Identity()
-
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
-
-    def key_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """x [R, L, d], ``rope`` (cos, sin) of its positions (:meth:`DSparkDraftModel.rope`) -> keys, values
-        [R, KV, L, head_dim] (keys normed and rotated)."""
-        cos, sin = (t.to(x.dtype) for t in rope)
-        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
-        return k, self._heads(self.v_proj(x), self.num_kv_heads)
-
-    def forward(self, x, rope, ctx_k, ctx_v, attn_mask=None):
-        """x [R, γ', d] block states; ``rope`` (cos, sin) of their positions, the same for every layer (computed
-        once a forward); ctx_k/ctx_v [R, KV, L, hd]; attn_mask [R, γ', L + γ'] bool or None."""
-        cos, sin = (t.to(x.dtype) for t in rope)
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
-        k, v = self.key_values(x, rope)
-        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
-        mask = None if attn_mask is None else attn_mask[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
-
-
-class DraftMLP(nn.Module):
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DraftLayer(nn.Module):
-    """A pre-norm decoder layer (Llama/Qwen3 naming) whose attention also reads the injected context."""
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DraftAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DraftMLP(config)
-
-    def forward(self, x, rope, ctx_k, ctx_v, attn_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_k, ctx_v, attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+from .layers import DraftLayer, RMSNorm, rope_cos_sin
+from .vocabulary import DraftVocabulary
 
 
 @dataclass
@@ -142,7 +54,7 @@ class _TargetRef:
         self.lm_head = target.get_output_embeddings()
 
 
-class DSparkDraftModel(PreTrainedModel):
+class DSparkDraftModel(DraftVocabulary, PreTrainedModel):
     """A DSpark draft: γ slots (anchor + γ-1 masks) in, base logits and hidden states for γ draft tokens out.
 
     The draft owns its backbone, heads and (for targets without a mask token) a learned mask embedding. It borrows
@@ -279,118 +191,6 @@ class DSparkDraftModel(PreTrainedModel):
                 "target.generate(**inputs, custom_generate=hf_dspark.dspark_generate, draft=draft)"
             )
         return super().__getattr__(name)
-
-    def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None) -> DSparkDraftModel:
-        """Restrict proposals to ``token_ids`` (1-D, distinct target token ids; ``None``: the whole vocabulary).
-
-        Only the draft's LM head changes: it reads ``len(token_ids)`` rows, and every other token gets logit -inf,
-        so the draft never proposes it. Verification still uses the target's full distribution, so decoding stays
-        lossless; what changes is speed (a smaller head) and how often a token outside the subset costs a
-        rejection. Training uses the whole vocabulary unless given the same ids (``train(..., vocab=)``).
-        A head storing W2 for the draft vocabulary only (``head_vocab="draft"``) keeps the rows of the tokens in
-        both vocabularies, starts new tokens at zero and, with ``None``, goes back to the whole vocabulary.
-        Returns ``self``.
-        """
-        compact = self.config.head_vocab == "draft" and self.sequential_head is not None
-        full_w2 = self._full_head_weight() if compact else None
-        if token_ids is None:
-            self._buffers.pop("draft_vocab", None)
-            self.draft_vocab, self.config.draft_vocab_size = None, None
-            self._vocab_rows = None
-            if compact:
-                self._set_head_weight(full_w2)
-            self.config.head_vocab = "full"
-            return self
-        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
-        V = self.config.target_vocab_size
-        if ids.numel() == 0:
-            raise ValueError("set_draft_vocab needs at least one token id (or None for the whole vocabulary)")
-        if int(ids.min()) < 0 or int(ids.max()) >= V:
-            raise ValueError(f"draft vocabulary ids must lie in [0, {V}), got {int(ids.min())}..{int(ids.max())}")
-        if ids.unique().numel() != ids.numel():
-            raise ValueError("draft vocabulary ids must be distinct")
-        ids = ids.sort().values.to(self.device)
-        self._buffers.pop("draft_vocab", None)
-        self.__dict__.pop("draft_vocab", None)
-        self.register_buffer("draft_vocab", ids)
-        self.config.draft_vocab_size = ids.numel()
-        self._vocab_rows = None
-        if compact:
-            self._set_head_weight(full_w2[ids])
-        return self
-
-    def set_head_vocab(self, rows: str) -> DSparkDraftModel:
-        """Store the sequential head's output matrix W2 with one row per target token (``"full"``) or per
-        draft-vocabulary token (``"draft"``, needs a draft vocabulary): [V, r] <-> [len(draft_vocab), r]. Proposals
-        are unchanged (a draft vocabulary never reads the other rows); ``"draft"`` makes the checkpoint smaller by
-        (V - len(draft_vocab)) × r parameters. Rows dropped by ``"draft"`` come back as zeros. Returns ``self``."""
-        if rows not in ("full", "draft"):
-            raise ValueError(f"set_head_vocab takes 'full' or 'draft', got {rows!r}")
-        if rows == "draft" and self.draft_vocab is None:
-            raise ValueError("set_head_vocab('draft') needs a draft vocabulary: call set_draft_vocab(ids) first")
-        if rows == self.config.head_vocab:
-            return self
-        if self.sequential_head is not None:
-            full = self._full_head_weight()
-            self._set_head_weight(full if rows == "full" else full[self.draft_vocab])
-        self.config.head_vocab = rows
-        return self
-
-    def _full_head_weight(self) -> torch.Tensor:
-        """W2 over the whole vocabulary, [V, r] (a draft-vocabulary W2 scattered into zeros)."""
-        w2 = self.sequential_head.markov_w2.weight.detach()
-        if self.config.head_vocab == "full":
-            return w2
-        full = w2.new_zeros(self.config.target_vocab_size, w2.shape[1])
-        return full.index_copy_(0, self.draft_vocab.to(w2.device), w2)
-
-    def _set_head_weight(self, weight: torch.Tensor) -> None:
-        linear = self.sequential_head.markov_w2
-        linear.weight = nn.Parameter(weight.contiguous(), requires_grad=linear.weight.requires_grad)
-        linear.out_features = weight.shape[0]
-        self._vocab_rows = None
-
-    def _cached(self, name: str, weight: torch.Tensor, build):
-        """``build()``, computed once and reused until ``weight`` or the draft vocabulary changes (keyed by
-        identity, version and storage; any vocabulary, head or target change also clears the cache)."""
-        key = (id(weight), weight._version, weight.data_ptr(), self.draft_vocab.data_ptr())
-        cached = self._vocab_rows.get(name) if self._vocab_rows else None
-        if cached is None or cached[0] != key:
-            cached = (key, build())
-            self._vocab_rows = {**(self._vocab_rows or {}), name: cached}
-        return cached[1]
-
-    def _subset_rows(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None):
-        """``weight[draft_vocab]`` and ``bias[draft_vocab]`` (or ``None``), gathered once (see :meth:`_cached`)."""
-        return self._cached(
-            name,
-            weight,
-            lambda: (weight[self.draft_vocab].contiguous(), None if bias is None else bias[self.draft_vocab]),
-        )
-
-    def draft_vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [..., d] -> base logits over the draft vocabulary only, [..., len(draft_vocab)] (column i is token
-        ``draft_vocab[i]``). Needs a draft vocabulary."""
-        head = self.borrowed.lm_head
-        weight, bias = self._subset_rows("lm_head", head.weight, getattr(head, "bias", None))
-        return F.linear(h.to(weight.dtype), weight, bias)
-
-    def head_vocab_rows(self) -> torch.Tensor | None:
-        """The sequential head's output matrix W2 restricted to the draft vocabulary, [len(draft_vocab), r]
-        (``None`` without a draft vocabulary or a sequential head): the bias over the subset is code @ rowsᵀ."""
-        if self.draft_vocab is None or self.sequential_head is None:
-            return None
-        if self.config.head_vocab == "draft":
-            return self.sequential_head.markov_w2.weight
-        return self._subset_rows("markov_w2", self.sequential_head.markov_w2.weight, None)[0]
-
-    def head_full_rows(self) -> torch.Tensor | None:
-        """W2 over the whole vocabulary, [V, r], for a head that stores draft-vocabulary rows only (the rows of
-        other tokens are zero: their base logits are -inf anyway); ``None`` when the head's own W2 already covers
-        the whole vocabulary (or there is no head). Built once and reused until the weight changes."""
-        if self.sequential_head is None or self.config.head_vocab == "full":
-            return None
-        return self._cached("full_w2", self.sequential_head.markov_w2.weight, self._full_head_weight)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] -> base logits [..., V] over the full vocabulary; with a draft vocabulary only its rows are
