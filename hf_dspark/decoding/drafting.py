@@ -162,9 +162,12 @@ class LayerTap:
         self.handles, self.buffer = [], None
 
 
-def _head_and_confidence(draft, logits, h_k, prev, state, conf_temperature, rows=None):
-    """The sequential head's bias added to one slot's logits (over W2's ``rows`` when given) and the slot's
-    confidence: -> (logits, confidences [R] or None, head state)."""
+def head_step(draft, logits, h_k, prev, state, conf_temperature, rows=None):
+    """The one PyTorch step of the draft's heads at one slot, for chains and trees alike: the sequential head's bias
+    (from each row's previous token ``prev`` [R] and its own state) added to the slot's base ``logits`` [R, V] (over
+    W2's ``rows`` when given), and the slot's calibrated confidence from h_k [R, d] and the head's W1 feature:
+    -> (logits, confidences [R] or None, head state). The fused Triton step (:func:`_kernel_slot`) computes the
+    same for chains."""
     head, conf_head, feature, conf = draft.sequential_head, draft.confidence, None, None
     if head is not None:
         bias, feature, state = head.step(prev, h_k, state, rows=rows)
@@ -179,7 +182,7 @@ def _torch_slot(draft, logits, h_k, prev, state, histories, logits_processor, do
     """One slot on the PyTorch path: head bias, confidence, the target's processors (per row, with that row's
     history), argmax or sample. -> (tokens [R], processed probs [R, V] or None, confidences [R] or None, state)."""
     rows = draft.head_full_rows()  # None unless W2 stores draft-vocabulary rows only
-    logits, conf, state = _head_and_confidence(draft, logits, h_k, prev, state, conf_temperature, rows)
+    logits, conf, state = head_step(draft, logits, h_k, prev, state, conf_temperature, rows)
     logits = logits.to(torch.float32 if logits.dtype != torch.float64 else logits.dtype)
     if logits_processor:
         logits = torch.cat([process(logits_processor, ids[None], logits[r : r + 1]) for r, ids in enumerate(histories)])
@@ -195,7 +198,7 @@ def _subset_slot(
     """Greedy slot over a draft vocabulary: logits [R, Vd] and the head's bias from W2's ``rows`` [Vd, r];
     the argmax column maps back to a token id through ``vocab``. Same tokens as ``_torch_slot`` on the -inf-padded
     full logits (``vocab`` is sorted, so ties resolve to the same token)."""
-    logits, conf, state = _head_and_confidence(draft, logits, h_k, prev, state, conf_temperature, rows)
+    logits, conf, state = head_step(draft, logits, h_k, prev, state, conf_temperature, rows)
     return vocab[logits.float().argmax(-1)], None, conf, state
 
 

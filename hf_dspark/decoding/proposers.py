@@ -21,7 +21,7 @@ from transformers.generation import LogitsProcessorList
 
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.recalibration import AcceptanceRecalibration
-from .drafting import DraftContext, draft_backbone
+from .drafting import DraftContext, draft_backbone, head_step
 from .lookup import lookup_continuation
 from .tree import TokenTree
 from .verify import process
@@ -122,7 +122,7 @@ class DraftTreeProposer:
         batch pays the head's small operations once a depth, not once a row a depth); each row's choice of
         children and its stops are its own."""
         draft = self.draft
-        head, conf_head = draft.sequential_head, draft.confidence
+        conf_head = draft.confidence
         w2_rows = draft.head_vocab_rows() if subset else draft.head_full_rows()
         temps, offset = draft.config.sts_temperatures, draft.config.draft_offset
         beam = self.beam or min(self.top_k, TREE_BEAM)
@@ -141,12 +141,8 @@ class DraftTreeProposer:
             slot = k + offset
             prev = torch.tensor([p[-1] for p in paths], device=device)
             h_k = hidden[owner, slot]
-            step = logits[owner, slot]
-            feature = None
-            if head is not None:
-                bias, feature, state = head.step(prev, h_k, state, rows=w2_rows)
-                if draft.head_enabled:
-                    step = step + bias
+            temperature = temps[k] if temps else None
+            step, conf, state = head_step(draft, logits[owner, slot], h_k, prev, state, temperature, w2_rows)
             step = step.to(torch.float32 if step.dtype != torch.float64 else step.dtype)
             if requests[0].logits_processor:  # the call's processors, on each node's own path
                 histories = [
@@ -163,8 +159,8 @@ class DraftTreeProposer:
             if subset:
                 x_top = draft.draft_vocab[x_top]
             edges = q_top.double()
-            if conf_head is not None:
-                raw = conf_head.calibrated(conf_head.logit(h_k, feature), temps[k] if temps else None).double()
+            if conf is not None:
+                raw = conf.double()
                 c = raw if self.recalibration is None else self.recalibration.apply(raw, start=k)
                 rest = (1 - edges[:, :1]).clamp_min(1e-12)
                 edges = torch.cat([c[:, None], (1 - c[:, None]) * (edges[:, 1:] / rest).clamp(max=1)], dim=1)
