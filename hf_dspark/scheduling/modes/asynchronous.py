@@ -29,5 +29,5 @@ class Async(VerifyMode):
             return [min(width, cap) for cap in caps]
         return plan_verify_lengths(conf, sps) if old is None else fill_top_k(conf, plan_capacity(old, sps))
 
-    def tree_count(self, values, sps, threshold, *args, **kwargs) -> tuple[int, bool]:
-        return priced_tree_count(values, sps, *args, **kwargs)
+    def tree_count(self, values, sps, threshold, *priced) -> tuple[int, bool]:
+        return priced_tree_count(values, sps, *priced)

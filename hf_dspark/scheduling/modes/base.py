@@ -50,19 +50,11 @@ class VerifyMode:
         call's earlier drafted rounds' confidences, recalibrated, oldest first)."""
         return list(caps)
 
-    def tree_count(
-        self,
-        values: list[float],
-        sps: SPSProfile | None,
-        threshold: float,
-        draft_seconds: float = 0.0,
-        rows: int = 1,
-        generating: int = 1,
-        lookahead: bool = False,
-        premium: float = 1.0,
-    ) -> tuple[int, bool]:
+    def tree_count(self, values: list[float], sps: SPSProfile | None, threshold: float, *priced) -> tuple[int, bool]:
         """How many of a tree's ranked nodes to verify (``values``: their path values, ancestors first), and whether
-        drafting paid for itself (:func:`~hf_dspark.scheduling.modes.choose_tree_nodes` says what each input is)."""
+        drafting paid for itself. ``priced``: what a priced mode also reads, as
+        :func:`~hf_dspark.scheduling.policy.priced_tree_count` takes it (draft seconds, rows, generating rows,
+        lookahead, premium)."""
         return len(values), True
 
 

@@ -22,5 +22,5 @@ class Scheduled(VerifyMode):
     def block_lengths(self, confidences, caps, history, sps, layout, recalibration) -> list[int]:
         return plan_verify_lengths(capped_confidences(confidences, caps, recalibration), sps)
 
-    def tree_count(self, values, sps, threshold, *args, **kwargs) -> tuple[int, bool]:
-        return priced_tree_count(values, sps, *args, **kwargs)
+    def tree_count(self, values, sps, threshold, *priced) -> tuple[int, bool]:
+        return priced_tree_count(values, sps, *priced)

@@ -14,5 +14,5 @@ class Threshold(VerifyMode):
     def column_plan(self, caps, sps, threshold, recalibration=None, lookahead=False, layout="padded") -> ColumnPlan:
         return ColumnPlan(caps, threshold=threshold)
 
-    def tree_count(self, values, sps, threshold, *args, **kwargs) -> tuple[int, bool]:
+    def tree_count(self, values, sps, threshold, *priced) -> tuple[int, bool]:
         return next((i for i, v in enumerate(values) if v < threshold), len(values)), True
