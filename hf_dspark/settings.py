@@ -135,10 +135,10 @@ class DecodingConfig:
     @classmethod
     def describe(cls, name: str) -> str:
         """The field's entry in this class's docstring, on one line (what the CLI's generated flags show)."""
-        entries = re.split(r"\n {8}(?=[a-z_, ]+: )", cls.__doc__)
+        # entries start 8 spaces in ("name: ..." or "a, b: ..."); section headings start 4 spaces in
+        entries = re.split(r"\n(?= {8}[a-z_, ]+: | {4}\S)", cls.__doc__)
         entry = next(e for e in entries if name in e.split(":", 1)[0].replace(" ", "").split(","))
-        text = " ".join(entry.split(":", 1)[1].split())
-        return re.split(r"(?<=[a-z)`]\.) ", text)[0].split(" Lookup drafting (")[0].split(" Token trees (")[0]
+        return re.split(r"(?<=[a-z)`]\.) ", " ".join(entry.split(":", 1)[1].split()))[0]  # its first sentence
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field that cannot work."""

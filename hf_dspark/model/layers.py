@@ -67,7 +67,7 @@ class DraftAttention(nn.Module):
     def forward(self, x, rope, ctx_k, ctx_v, attn_mask=None):
         """x [R, γ', d] block states; ``rope`` (cos, sin) of their positions, the same for every layer (computed
         once a forward); ctx_k/ctx_v [R, KV, L, hd]; attn_mask [R, γ', L + γ'] bool or None."""
-        cos, sin = (t.to(x.dtype) for t in rope)
+        cos, sin = rope = tuple(t.to(x.dtype) for t in rope)  # cast once: key_values' cast is then a no-op
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
         k, v = self.key_values(x, rope)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)

@@ -407,7 +407,7 @@ class DSparkDraftModel(DraftVocabulary, PreTrainedModel):
             self.decoding.save_pretrained(save_directory)
         repo_id = getattr(self, "_pushing_to", None)
         if repo_id is not None and kwargs.get("is_main_process", True) and self.write_hub_files is not None:
-            type(self).write_hub_files(save_directory, repo_id)
+            self.write_hub_files(save_directory, repo_id)
         return result
 
     def push_to_hub(self, repo_id: str, *args, **kwargs):
