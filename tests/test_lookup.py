@@ -191,11 +191,9 @@ def test_adaptive_lookup_width_rule():
     schedule = Schedule(draft.decoding.resolve(draft.confidence is not None), gamma)
 
     def verified(found: int, accepted: int) -> int | None:
-        kept = torch.zeros(1, 13, dtype=torch.bool)
-        kept[0, : accepted + 1] = True  # the anchor and the accepted slots
         looked_up = Proposal(torch.zeros(1, 0, dtype=torch.long), None, torch.zeros(1, 0))  # no block was drafted
         plan = RoundPlan([0], {0: torch.arange(found)}, None)
-        schedule.observe(row_proposals(plan, looked_up, [found], 16, do_sample=False), kept)
+        schedule.observe(row_proposals(plan, looked_up, [found], 16, do_sample=False), [accepted])
         return schedule.lookup_width
 
     assert gamma > 2
@@ -288,14 +286,10 @@ def test_sampling_with_lookup_matches_target_distribution(small_vocab_target):
 
 def test_sampling_test_sees_a_lookup_accepted_without_the_ratio_test(small_vocab_target, monkeypatch):
     """Treating a looked-up token as always accepted (q = p, no test) is caught by the same check."""
-    from hf_dspark.decoding import chain
-
-    # a looked-up row then reaches the acceptance rule with q = None, and the broken rule accepts it untested
-    monkeypatch.setattr(chain, "one_hot_probs", lambda tokens, vocab: None)
     original = verify.rejection_sample
 
     def lenient(draft_tokens, draft_probs, target_probs, generator=None):
-        if draft_probs is None and draft_tokens.shape[0]:
+        if draft_tokens.shape[0] and bool((draft_probs.amax(-1) == 1).all()):  # a looked-up chain: q is one-hot
             n = draft_tokens.shape[0]
             return n, torch.multinomial(target_probs[n], 1)[0]
         return original(draft_tokens, draft_probs, target_probs, generator)

@@ -18,7 +18,7 @@ from helpers import (
 from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_dspark import DSparkDraftModel
-from hf_dspark.decoding import tree_rounds
+from hf_dspark.decoding import verification
 from hf_dspark.testing import tiny_target
 
 
@@ -111,7 +111,7 @@ def test_tree_sampling_is_exact_when_the_drafts_children_miss_the_targets_mass(s
 def test_a_walk_that_favours_the_top_child_is_detected(small_target, monkeypatch):
     """Guard: descending into the draft's first child whenever the target's choice is any child (a plausible
     bug) changes the distribution, and the chi-square test sees it."""
-    real_walk = tree_rounds.walk
+    real_walk = verification.walk
 
     def biased(verified, raw, history, procs, do_sample):
         result = real_walk(verified, raw, history, procs, do_sample)
@@ -120,7 +120,7 @@ def test_a_walk_that_favours_the_top_child_is_detected(small_target, monkeypatch
             return type(result)([first], result.next_token, result.scores[:2])
         return result
 
-    monkeypatch.setattr(tree_rounds, "walk", biased)
+    monkeypatch.setattr(verification, "walk", biased)
     kw = CASES["temperature"]
     draft = _sampling_draft(small_target)
     probs = exact_distribution(small_target, processors(kw["temperature"]))

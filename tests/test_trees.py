@@ -11,7 +11,9 @@ from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogits
 import hf_dspark
 from hf_dspark import DSparkConfig, DSparkDraftModel
 from hf_dspark.decoding import checks
-from hf_dspark.decoding.tree import TokenTree, VerifiedTree, walk
+from hf_dspark.decoding.state import DecodeState
+from hf_dspark.decoding.tree import TokenTree, VerifiedTree
+from hf_dspark.decoding.verify import walk
 from hf_dspark.testing import tiny_target
 
 
@@ -357,24 +359,41 @@ def test_keep_paths_crops_when_every_path_is_its_slots_prefix(monkeypatch):
     assert context.pending[-1][2].tolist() == [[True, True, False], [True, True, True]]
 
 
-def test_a_single_chain_shaped_tree_verifies_with_plain_causal_attention():
-    """One row whose verified tree is a chain, on a cache without holes, needs no 4D mask (the cheaper causal
-    path); a branch, a second row or a hole in the cache brings the tree mask back."""
-    from hf_dspark.decoding.tree_rounds import tree_verify_mask
+def test_a_batch_of_chains_verifies_with_plain_causal_attention():
+    """When every row verifies a chain (a drafted block, or a tree whose chosen nodes are a chain) the block needs no
+    4D mask: slot positions, and the causal 2D mask over the cache and the valid slots (None without holes, the
+    cheaper path); a branch in any row brings the tree mask and depth positions back."""
+    from hf_dspark.decoding.verification import verify_block
 
     class State:
         def __init__(self, cache_mask):
             self.cache_mask = torch.tensor(cache_mask)
+            self.tokens = torch.arange(12).reshape(len(cache_mask), -1)
+            self.lengths = [4] * len(cache_mask)
+            self.anchor_positions = torch.tensor([3] * len(cache_mask))
+
+        size = property(lambda self: len(self.lengths))
+        attention_mask = DecodeState.attention_mask
 
     tree = _tree()
     chain = VerifiedTree.of(tree, [0, 2])  # 5 → 7: slot 2's parent is slot 1
     branched = VerifiedTree.of(tree, [0, 1])  # 5 and 6, both children of the anchor
     assert chain.is_chain and not branched.is_chain and VerifiedTree.of(tree, []).is_chain
-    assert tree_verify_mask(State([[1, 1, 1]]), [chain], torch.float32) is None
-    assert tree_verify_mask(State([[1, 1, 1]]), [VerifiedTree.of(tree, [])], torch.float32) is None
-    assert tree_verify_mask(State([[1, 1, 1]]), [branched], torch.float32).shape == (1, 1, 3, 6)
-    assert tree_verify_mask(State([[0, 1, 1]]), [chain], torch.float32).shape == (1, 1, 3, 6)
-    assert tree_verify_mask(State([[1, 1, 1], [1, 1, 1]]), [chain, chain], torch.float32).shape == (2, 1, 3, 6)
+    assert VerifiedTree.chain(torch.tensor([5, 7])).children == chain.children
+    one = verify_block(State([[1, 1, 1]]), [chain], 0, torch.float32)
+    assert one.mask is None and one.tokens.tolist() == [[3, 5, 7]] and one.positions.tolist() == [[3, 4, 5]]
+    assert verify_block(State([[1, 1, 1]]), [VerifiedTree.of(tree, [])], 0, torch.float32).mask is None
+    assert verify_block(State([[0, 1, 1]]), [chain], 0, torch.float32).mask.tolist() == [[0, 1, 1, 1, 1, 1]]
+    short = VerifiedTree.chain(torch.tensor([5]))
+    both = verify_block(State([[1, 1, 1]] * 2), [chain, short], 0, torch.float32)
+    assert both.mask.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]]
+    assert both.tokens.tolist() == [[3, 5, 7], [9, 5, 0]]
+    finished = verify_block(State([[1, 1, 1]] * 2), [chain, None], 0, torch.float32)
+    assert finished.mask.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
+    tree_block = verify_block(State([[1, 1, 1]]), [branched], 0, torch.float32)
+    assert tree_block.mask.shape == (1, 1, 3, 6) and tree_block.positions.tolist() == [[3, 4, 4]]
+    mixed = verify_block(State([[1, 1, 1]] * 2), [branched, chain], 0, torch.float32)
+    assert mixed.mask.shape == (2, 1, 3, 6) and mixed.positions.tolist() == [[3, 4, 4], [3, 4, 5]]
 
 
 @pytest.mark.parametrize("merge", [False, True])

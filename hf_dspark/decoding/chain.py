@@ -4,9 +4,8 @@ Schedule.plan     what each row may verify this round: lookups, length caps, bac
 draft_block       (drafting.py) the drafted block, ended where the plan closes
 Schedule.lengths  the verify lengths from the block's confidences; back-off for the rounds that follow
 row_proposals     what each row verifies: its drafted block cut to its length, or its lookup continuation
-verify_block      each active row's anchor + proposal as one [R, W] block for one target forward
-accept            exact acceptance per row (verify.py), committed token by token against the stopping criteria
-chain_round       one round: the above in order, then both caches advance
+chain_round       one round: the above in order, then every row's chain (a tree of width one) through the one
+                  verify (verification.py): one forward, exact walks, both caches keep the accepted paths
 """
 
 from __future__ import annotations
@@ -21,12 +20,12 @@ from ..scheduling.modes import choose_lengths, column_plan
 from ..scheduling.policy import ColumnPlan, SPSProfile, drafting_pays
 from ..scheduling.recalibration import AcceptanceRecalibration
 from ..settings import DecodingConfig
-from .checks import check_finite
 from .costs import ObservedRounds, PricedRounds, observed_rounds, premium, round_prices
 from .drafting import Proposal, draft_block
 from .lookup import lookups, one_hot_probs
-from .state import Call, DecodeState, Outputs, Rules, target_forward
-from .verify import verify_row
+from .state import Call, DecodeState
+from .tree import VerifiedTree
+from .verification import verify
 
 
 @dataclass
@@ -136,8 +135,8 @@ class Schedule(PricedRounds):
             limit = min(limit, s.verify_limit)
         return state.room(limit, max_length)
 
-    def observe(self, rows: list[RowProposal], kept: torch.Tensor) -> None:
-        """After a verify (``kept`` [R, W]: the anchor and accepted slots per row): each drafted row's acceptance
+    def observe(self, rows: list[RowProposal], accepted: list[int]) -> None:
+        """After a verify (``accepted`` [R]: each row's accepted candidates): each drafted row's acceptance
         feeds the recalibration. With ``lookup_adaptive``, a lookup accepted in full makes the next lookup's width
         twice its length (at least γ: a short continuation accepted whole is no reason to verify less than a
         drafted block; at most ``lookup_max_tokens``), one cut short sets it back to γ. Only one row looks up in a
@@ -145,14 +144,14 @@ class Schedule(PricedRounds):
         if self.recalibration is not None:
             for r, row in enumerate(rows):
                 if row.confidences:
-                    self.recalibration.observe(row.confidences, int(kept[r].sum()) - 1)
+                    self.recalibration.observe(row.confidences, accepted[r])
         if not self.settings.lookup_adaptive:
             return
         for r, row in enumerate(rows):
             if row.looked_up:
                 ell = row.tokens.shape[0]
                 cap = self.settings.lookup_max_tokens or self.draft_tokens
-                whole = int(kept[r].sum()) - 1 == ell
+                whole = accepted[r] == ell
                 self.lookup_width = max(self.draft_tokens, min(2 * ell, cap)) if whole else None
 
     def lengths(self, plan: RoundPlan, proposal: Proposal, state: DecodeState) -> list[int]:
@@ -192,75 +191,23 @@ class Schedule(PricedRounds):
         chain_round(call, self, state)
 
 
-@dataclass
-class VerifyBlock:
-    """Each active row's anchor + proposal, padded into one block: ``tokens`` [R, W], ``valid`` [R, W] (False for
-    padding and finished rows), ``positions`` [R, W]."""
-
-    tokens: torch.Tensor
-    valid: torch.Tensor
-    positions: torch.Tensor
-
-
-def verify_block(state: DecodeState, rows: list[RowProposal], pad_id: int) -> VerifyBlock:
-    R, device = state.size, state.tokens.device
-    width = max(rows[r].tokens.shape[0] + 1 for r in state.active)
-    tokens = torch.full((R, width), pad_id, dtype=torch.long, device=device)
-    valid = torch.zeros(R, width, dtype=torch.bool, device=device)
-    for r in state.active:
-        ell = rows[r].tokens.shape[0]
-        tokens[r, 0] = state.tokens[r, state.lengths[r] - 1]
-        tokens[r, 1 : 1 + ell] = rows[r].tokens
-        valid[r, : ell + 1] = True
-    positions = state.anchor_positions[:, None] + torch.arange(width, device=device)
-    return VerifyBlock(tokens, valid, positions)
-
-
-def accept(
-    state: DecodeState,
-    block: VerifyBlock,
-    raw: torch.Tensor,
-    rows: list[RowProposal],
-    rules: Rules,
-    outputs: Outputs,
-) -> torch.Tensor:
-    """Exact acceptance for every active row against the target's raw logits [R, W, V]; commits each row's accepted
-    drafts + its correction/bonus token. -> kept [R, W]: the slots that now hold committed tokens."""
-    kept = torch.zeros_like(block.valid)
-    for r in state.active:
-        row = rows[r]
-        ell = row.tokens.shape[0]
-        n, nxt, scores = verify_row(
-            row.tokens, row.probs, raw[r, : ell + 1], state.history(r), rules.processors, rules.do_sample
-        )
-        new = torch.cat([row.tokens[:n], nxt[None]])
-        committed = state.commit(r, new, scores, rules.stopping)
-        outputs.stats.record(ell, n, committed, row.confidences, looked_up=row.looked_up)
-        if outputs.wanted:
-            outputs.emit(new[:committed], scores, raw[r])
-        kept[r, : n + 1] = True
-        state.anchor_positions[r] += n + 1
-    return kept
-
-
 def chain_round(call: Call, schedule: Schedule, state: DecodeState) -> None:
-    """One chain round: plan, draft, choose lengths, verify every active row's block in one forward, accept, and
-    advance both caches (unless no row is left)."""
-    start, rules, stats = time.perf_counter(), call.rules, call.outputs.stats
+    """One chain round: plan, draft, choose lengths, then each active row's chain through the one verify
+    (:func:`~hf_dspark.decoding.verification.verify`: one forward, exact walks, both caches keep the paths)."""
+    start, rules, stats, active = time.perf_counter(), call.rules, call.outputs.stats, state.active
     plan = schedule.plan(state, call.max_length)
     proposal = draft_block(
         call.draft, *state.draft_inputs(), plan.max_tokens, rules.processors, rules.do_sample, plan.planner
     )
     lengths = schedule.lengths(plan, proposal, state)
-    stats.verify_rounds.append([lengths[r] for r in state.active])
+    stats.verify_rounds.append([lengths[r] for r in active])
     rows = row_proposals(plan, proposal, lengths, call.vocab_size, rules.do_sample)
-    block = verify_block(state, rows, call.pad_id)
-    mask = state.attention_mask(block.valid)
-    out, fused = target_forward(call.target, block.tokens, block.positions, mask, call.cache, call.tap)
-    raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
-    check_finite(raw, block.valid)
-    kept = accept(state, block, raw, rows, rules, call.outputs)
-    schedule.observe(rows, kept)
+    chains = [VerifiedTree.chain(row.tokens, row.probs) if r in active else None for r, row in enumerate(rows)]
+    walks = verify(call, state, chains)
+    accepted = [0 if walk is None else len(walk.slots) for walk in walks]
+    for r in active:
+        row = rows[r]
+        stats.record(row.tokens.shape[0], accepted[r], walks[r].committed, row.confidences, looked_up=row.looked_up)
+    schedule.observe(rows, accepted)
     if state.active:
-        state.advance(kept, fused, block.positions)
         schedule.time_round(time.perf_counter() - start)  # acceptance read the logits on the host: it is done

@@ -3,7 +3,7 @@
     target_forward   one target forward that extends the cache -> logits and the draft's fused context
     prefill          the prompt through the target -> the decode state (first token, both caches)
     Call             what every round of one call reads: the models, the cache, the layer tap, rules, outputs
-    DecodeState      the batch between rounds: output buffer, caches, draft context; commit, advance, compact
+    DecodeState      the batch between rounds: output buffer, caches, draft context; commit, keep_paths, compact
 
 Invariant between rounds: the target's KV cache holds every committed token of each row except its last one (the
 row's *anchor*); the draft's context cache holds the projected keys/values of the same slots. Rows of a batch
@@ -125,28 +125,23 @@ class DecodeState:
             self.finished[r] = True
         return k
 
-    def advance(self, kept: torch.Tensor, fused: torch.Tensor, positions: torch.Tensor) -> None:
-        """After a verify of [R, W] slots: keep in both caches the slots that committed tokens (``kept`` [R, W]: each
-        row's anchor + accepted drafts) and crop the columns that are holes in every row."""
-        used = int(kept.any(0).nonzero().max()) + 1
-        self.cache.crop(-(kept.shape[1] - used))
-        self.cache_mask = torch.cat([self.cache_mask, kept[:, :used].long()], dim=1)
-        self.context.extend(fused[:, :used], positions[:, :used], kept[:, :used])
-
     def keep_paths(self, paths: list[list[int]], fused: torch.Tensor, positions: torch.Tensor) -> None:
-        """After a tree verify of [R, W] slots: keep in both caches only each row's ``paths[r]`` (its anchor and
-        accepted path, in order; empty for a row that keeps nothing), padded to the longest path with holes, so a
-        single row never carries holes and no row keeps a rejected branch."""
+        """After a verify of [R, W] slots: keep in both caches only each row's ``paths[r]`` (its anchor and accepted
+        path, in order; empty for a row that keeps nothing), padded to the longest path with holes, so a single row
+        never carries holes and no row keeps a rejected branch. When every path is its slots' prefix (every chain,
+        and a tree whose walk took only first slots) the caches are cropped, not gathered."""
         used, device = max(len(path) for path in paths), self.tokens.device
-        index = torch.tensor([path + [0] * (used - len(path)) for path in paths], device=device)  # one transfer
         kept = torch.tensor([[True] * len(path) + [False] * (used - len(path)) for path in paths], device=device)
-        if all(path == list(range(len(path))) for path in paths):  # every path is its slots' prefix: crop, no copy
+        if all(path == list(range(len(path))) for path in paths):  # crop: no copy
             self.cache.crop(-(positions.shape[1] - used))  # a padded row's extra slots become holes (kept False)
+            fused, positions = fused[:, :used], positions[:, :used]
         else:
+            index = torch.tensor([path + [0] * (used - len(path)) for path in paths], device=device)  # one transfer
             keep_cache_slots(self.cache, self.cache_mask.shape[1], index)
+            fused = fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1]))
+            positions = positions.gather(1, index)
         self.cache_mask = torch.cat([self.cache_mask, kept.long()], dim=1)
-        fused = fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1]))
-        self.context.extend(fused, positions.gather(1, index), kept)
+        self.context.extend(fused, positions, kept)
 
     def compact(self) -> torch.Tensor:
         """Drop the finished rows from the batch and both caches (they stop costing verify and draft work):

@@ -6,26 +6,20 @@ its depth and a value: the estimated probability that the target's own path reac
 every distinct prefix is one node.
 
     TokenTree.select    the nodes a round verifies: the most valuable, ancestors first (values fall along paths)
-    VerifiedTree        those nodes as a verify block: tokens, depth positions, the ancestor mask
+    VerifiedTree        what a row verifies as a verify block: a tree's chosen nodes, or a chain (a tree of width one)
     tree_attention_mask one verify of every row's tree: each row its own ancestor mask, padded to the widest
-    walk                exact acceptance: descend while the target's own choice is a child
 
 The target sees the verified nodes in one forward: each attends to the committed cache and to its ancestors (a 4D
-mask), at position anchor + depth. Acceptance starts at the anchor; at each node the target chooses a token exactly
-as plain decoding would (the argmax, or a sample of its processed distribution given the node's path); if that token
-is a child, the walk goes on from the child, else it is the round's correction token. Every committed token is the
-target's own choice given the committed prefix, so the output is the target's, greedy or sampled, whatever the
-tree (it must only not depend on the target's random draws, and it is built before the target runs).
+mask; a batch of chains needs only the causal one), at position anchor + depth. Exact acceptance over the verified
+tree is :func:`hf_dspark.decoding.verify.walk`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation import LogitsProcessorList
-
-from .verify import probs, process
 
 
 @dataclass
@@ -112,42 +106,60 @@ class TokenTree:
 
 @dataclass
 class VerifiedTree:
-    """The nodes a round verifies, as a verify block of 1 + B slots (slot 0: the anchor). ``nodes[s - 1]`` is the
-    tree node in slot s; ``parent_slots[s]`` its parent's slot (-1 for the anchor); ``children[(s, token)]``
-    the slot of that child of slot s."""
+    """The candidates a row verifies in a round, as a verify block of 1 + B slots (slot 0: the anchor): each slot's
+    token ``slot_tokens`` [B] and depth, and ``parent_slots[s]`` its parent's slot (-1 for the anchor). A chain is a
+    tree of width one (each slot's parent the slot before it): a drafted block, a lookup continuation. ``probs``
+    [B, V]: the distributions a sampled chain's tokens were drawn from (one-hot for a looked-up token), which exact
+    acceptance tests them against; ``None`` for deterministic candidates (a tree's top children), which the target's
+    own draw picks among. ``tree``/``nodes``: the token tree and its nodes in slots 1..B, when a tree proposed them."""
 
-    tree: TokenTree
-    nodes: list[int]
     parent_slots: list[int]
-    children: dict[tuple[int, int], int]
+    slot_depths: list[int]
+    slot_tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    tree: TokenTree | None = None
+    nodes: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, tree: TokenTree, nodes: list[int]) -> VerifiedTree:
+        """``nodes`` of ``tree`` (parents before children) in slots 1..B."""
         slot_of = {-1: 0, **{node: s + 1 for s, node in enumerate(nodes)}}
         parent_slots = [-1] + [slot_of[tree.parents[node]] for node in nodes]
-        children = {(slot_of[tree.parents[node]], tree.tokens[node]): slot_of[node] for node in nodes}
-        return cls(tree, nodes, parent_slots, children)
+        tokens = torch.tensor([tree.tokens[node] for node in nodes], dtype=torch.long)
+        return cls(parent_slots, [tree.depths[node] for node in nodes], tokens, tree=tree, nodes=nodes)
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, probs: torch.Tensor | None = None) -> VerifiedTree:
+        """A chain of ``tokens`` [ℓ] (any device; no host copy), drawn from ``probs`` [ℓ, V] when sampled."""
+        ell = tokens.shape[0]
+        return cls(list(range(-1, ell)), list(range(1, ell + 1)), tokens, probs)
 
     @property
     def size(self) -> int:
-        """Draft nodes verified (B; the block has B + 1 slots)."""
-        return len(self.nodes)
+        """Candidates verified (B; the block has B + 1 slots)."""
+        return len(self.parent_slots) - 1
 
-    @property
+    @functools.cached_property
+    def children(self) -> dict[tuple[int, int], int]:
+        """(slot, token) -> the slot of that child of the slot."""
+        tokens = self.slot_tokens.tolist()
+        return {(self.parent_slots[s], tokens[s - 1]): s for s in range(1, len(self.parent_slots))}
+
+    @functools.cached_property
     def is_chain(self) -> bool:
         """Whether every slot's parent is the slot before it (a chain, or the anchor alone)."""
         return all(parent == s - 1 for s, parent in enumerate(self.parent_slots))
 
     def depth(self) -> int:
-        return max((self.tree.depths[n] for n in self.nodes), default=0)
+        return max(self.slot_depths, default=0)
 
     def tokens(self, anchor: int, device) -> torch.Tensor:
         """[1, 1 + B]: the anchor, then each slot's token."""
-        return torch.tensor([[anchor, *(self.tree.tokens[n] for n in self.nodes)]], device=device)
+        return torch.cat([torch.tensor([anchor]), self.slot_tokens.cpu()])[None].to(device)
 
     def positions(self, anchor_position: int, device) -> torch.Tensor:
         """[1, 1 + B]: anchor position + depth."""
-        return anchor_position + torch.tensor([[0, *(self.tree.depths[n] for n in self.nodes)]], device=device)
+        return anchor_position + torch.tensor([[0, *self.slot_depths]], device=device)
 
     def ancestors(self, device) -> torch.Tensor:
         """[1 + B, 1 + B] bool: slot i may attend to slot j (j is i or one of its ancestors)."""
@@ -181,38 +193,3 @@ def tree_attention_mask(trees: list[VerifiedTree | None], cache_mask: torch.Tens
             allowed[r, :n, S : S + n] = tree.ancestors(cache_mask.device)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=cache_mask.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
-
-
-@dataclass
-class Walk:
-    """What exact acceptance found: ``slots`` the accepted nodes' slots, root to leaf; ``next_token`` the target's
-    choice after them (the correction or bonus token); ``scores`` [n + 1, V] the processed target scores at the
-    anchor and at each accepted slot (the ones plain decoding would have seen)."""
-
-    slots: list[int]
-    next_token: torch.Tensor
-    scores: torch.Tensor
-
-
-def walk(
-    verified: VerifiedTree,
-    raw_logits: torch.Tensor,
-    history: torch.Tensor,
-    logits_processor: LogitsProcessorList,
-    do_sample: bool,
-) -> Walk:
-    """Exact acceptance over a verified tree: raw target logits [1 + B, V] for its slots, the row's committed
-    ``history`` [T] (ending with the anchor). From the anchor, the target's processed distribution at the current
-    slot (given that slot's path) picks a token — its argmax, or a sample; if a child of the slot holds it, the walk
-    moves there, else it stops and the token is the round's new one. -> :class:`Walk`."""
-    slot, path, tokens, scores = 0, [], history, []
-    while True:
-        score = process(logits_processor, tokens[None], raw_logits[slot : slot + 1])
-        scores.append(score)
-        choice = torch.multinomial(probs(score)[0], 1)[0] if do_sample else score[0].argmax()
-        child = verified.children.get((slot, int(choice)))
-        if child is None:
-            return Walk(path, choice, torch.cat(scores))
-        path.append(child)
-        tokens = torch.cat([tokens, choice[None]])
-        slot = child

@@ -4,7 +4,7 @@ verify, one forward verifies every row's nodes, each row walks its accepted path
     TreeSchedule.requests  what each row asks of the proposers this round (drafting or backing off, narrowed or not)
     propose_trees          (proposers.py) every proposer's candidates, shared prefixes merged
     TreeSchedule.select    the nodes each row verifies: the mode's count of its ranked nodes; back-off, narrowing
-    tree_round             one round: the above, one verify forward, the walks, both caches keep the paths
+    tree_round             one round: the above, then the one verify (verification.py) of every row's nodes
     tree_schedule          the call's schedule, or None (chains) when it cannot have trees
 """
 
@@ -21,13 +21,14 @@ from ..scheduling.modes import choose_tree_nodes
 from ..scheduling.policy import SPSProfile, lookahead_tree_settled, tree_rate
 from ..scheduling.recalibration import AcceptanceRecalibration
 from ..settings import MAX_VERIFY_WIDTH, DecodingConfig
-from .checks import check_finite, tree_refusal
+from .checks import tree_refusal
 from .costs import ObservedRounds, PricedRounds, observed_rounds, premium, sps_profile, tree_draft_seconds
 from .drafting import DraftContext
 from .proposers import LookupProposer, TreeRequest, propose_trees, tree_proposers
-from .state import Call, DecodeState, target_forward
+from .state import Call, DecodeState
 from .stats import DSparkStats
-from .tree import TokenTree, VerifiedTree, tree_attention_mask, walk
+from .tree import TokenTree, VerifiedTree
+from .verification import verify
 
 
 @dataclass
@@ -245,22 +246,12 @@ def _chain_nodes(tree: TokenTree) -> set[int]:
     return chain
 
 
-def tree_verify_mask(state: DecodeState, verified: list[VerifiedTree | None], dtype: torch.dtype):
-    """The target's mask for a tree verify: ``None`` (plain causal attention, the cheaper path; on a CPU a 4D mask
-    costs about 2 ms a step) when the batch is one row whose tree is a chain (each slot's parent the slot before:
-    a plain step, or only top children verified) on a cache without holes, else :func:`tree_attention_mask`."""
-    tree = verified[0] if len(verified) == 1 else None
-    if tree is not None and tree.is_chain and bool(state.cache_mask.all()):
-        return None
-    return tree_attention_mask(verified, state.cache_mask, dtype)
-
-
 def tree_round(call: Call, schedule: TreeSchedule, state: DecodeState) -> None:
-    """One round of trees: each generating row proposes its tree, the chosen nodes of every row are verified in one
-    forward ([R, W] slots, each row's ancestor mask, depth positions), each row walks its accepted path exactly, and
-    both caches keep exactly those paths."""
-    start, rules, outputs, pad_id = time.perf_counter(), call.rules, call.outputs, call.pad_id
-    requests = schedule.requests(state, call.max_length, rules.processors)
+    """One round of trees: each generating row proposes its tree, the schedule chooses its nodes, and every row's
+    chosen nodes go through the one verify (:func:`~hf_dspark.decoding.verification.verify`: one forward, each
+    row's ancestor mask and depth positions, exact walks, both caches keep exactly the accepted paths)."""
+    start, outputs = time.perf_counter(), call.outputs
+    requests = schedule.requests(state, call.max_length, call.rules.processors)
     outputs.stats.narrowed_rounds += any(request.draft and request.top_k == 1 for request in requests)
     trees = propose_trees(schedule.proposers, requests)
     chosen = schedule.select(trees, requests, state.size)
@@ -268,33 +259,12 @@ def tree_round(call: Call, schedule: TreeSchedule, state: DecodeState) -> None:
     for request, tree, nodes in zip(requests, trees, chosen, strict=True):
         verified[request.row] = VerifiedTree.of(tree, nodes)
     outputs.stats.verify_rounds.append([verified[r].size for r in state.active])
-    width, device = 1 + max(v.size for v in verified if v is not None), state.tokens.device
-    tokens = torch.full((state.size, width), pad_id, dtype=torch.long, device=device)
-    positions = state.anchor_positions[:, None].repeat(1, width)
+    walks = verify(call, state, verified)
     for request in requests:
-        v, r = verified[request.row], request.row
-        tokens[r, : 1 + v.size] = v.tokens(int(request.history[-1]), device)[0]
-        positions[r, : 1 + v.size] = v.positions(int(request.anchor_position), device)[0]
-    mask = tree_verify_mask(state, verified, call.target.dtype)
-    out, fused = target_forward(call.target, tokens, positions, mask, call.cache, call.tap)
-    raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
-    paths: list[list[int]] = [[] for _ in range(state.size)]
-    for request in requests:
-        r, v = request.row, verified[request.row]
-        check_finite(raw[r, : 1 + v.size])
-        result = walk(v, raw[r, : 1 + v.size], request.history, rules.processors, rules.do_sample)
-        n = len(result.slots)
-        new = torch.cat([tokens[r, result.slots], result.next_token[None]])
-        committed = state.commit(r, new, result.scores, rules.stopping)
+        v, result = verified[request.row], walks[request.row]
         edges = schedule.observe(v, result.slots)
         looked_up = any("lookup" in v.tree.sources[node] for node in v.nodes)  # verified, as the chain route counts
-        outputs.stats.record(v.size, n, committed, None, looked_up, v.depth(), edges)
-        if outputs.wanted:
-            outputs.emit(new[:committed], result.scores, raw[r, [0, *result.slots]])
-        state.anchor_positions[r] += n + 1
-        paths[r] = [0, *result.slots]
-    if state.active:
-        state.keep_paths(paths, fused, positions)
+        outputs.stats.record(v.size, len(result.slots), result.committed, None, looked_up, v.depth(), edges)
     schedule.time_round(time.perf_counter() - start)  # the walks read the logits on the host: the round is done
 
 

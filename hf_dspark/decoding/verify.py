@@ -1,15 +1,26 @@
-"""Exact verification of a drafted block (docs/method.md, "Verification").
+"""Exact acceptance over what a row verified (docs/method.md, "Verification" and "Token trees"): one rule, ``walk``,
+for chains and trees alike.
 
-Greedy: accept while the draft token equals the target's argmax. Sampling: accept x_k with probability
-min(1, p_k(x_k) / q_k(x_k)); at the first rejection resample from norm(max(0, p_k - q_k)); if every token survives,
-draw a bonus token from p_{ℓ+1}. Both p and q are the *processed* distributions (temperature, top-k, top-p, …),
-so the committed tokens follow the target's processed distribution exactly.
+From the anchor, at each slot the target's processed distribution p (given the slot's path) decides which child,
+if any, the walk moves to; at the first slot where it takes none, it draws the round's new token. Greedy: the child
+holding p's argmax. Sampling: a chain's token x drawn from the draft's q (one-hot for a looked-up token) is kept with
+probability min(1, p(x) / q(x)), and after a rejection the new token is drawn from norm(max(0, p - q)); a tree's
+deterministic children are kept when p's own draw is one of them. Either way every committed token follows p, the
+target's processed distribution (temperature, top-k, top-p, …), exactly.
+
+    walk              the one acceptance: -> the accepted slots, the next token, the processed scores on the path
+    greedy_accept     a chain's greedy acceptance, all slots at once
+    rejection_sample  a sampled chain's acceptance against q, all slots at once
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.generation import LogitsProcessorList
+
+from .tree import VerifiedTree
 
 
 def probs(scores: torch.Tensor) -> torch.Tensor:
@@ -58,17 +69,71 @@ def rejection_sample(
     return n, torch.multinomial(dist, 1, generator=generator)[0]
 
 
-def verify_row(draft_tokens, draft_probs, raw_logits, history, logits_processor, do_sample):
-    """Exact acceptance for one row: draft_tokens [ℓ], draft_probs [ℓ, V] | None, raw target logits [ℓ+1, V],
-    history [T] (the row's committed tokens) -> (n accepted, next token, processed target scores [ℓ+1, V])."""
-    if logits_processor:  # each position's processors see the row's history up to it
-        candidate, base = torch.cat([history, draft_tokens]), history.shape[0]
-        scores = torch.cat([process(logits_processor, candidate[None, : base + i], raw_logits[i : i + 1])
-                            for i in range(len(raw_logits))])  # fmt: skip
-    else:  # nothing to process: the raw logits are the scores, uncopied (a copy of [ℓ+1, V] floats a row a round)
-        scores = raw_logits
-    if do_sample:
-        n, nxt = rejection_sample(draft_tokens, draft_probs, probs(scores))
-    else:
-        n, nxt = greedy_accept(draft_tokens, scores)
-    return n, nxt, scores
+@dataclass
+class Walk:
+    """What exact acceptance found: ``slots`` the accepted slots, root to leaf; ``next_token`` the target's
+    choice after them (the correction or bonus token); ``scores`` [n + 1, V] the processed target scores at the
+    anchor and at each accepted slot (the ones plain decoding would have seen); ``committed``: how many of the
+    n + 1 tokens the row committed (fewer where generation stopped inside them; set by the round's commit)."""
+
+    slots: list[int]
+    next_token: torch.Tensor
+    scores: torch.Tensor
+    committed: int = 0
+
+
+def walk(
+    verified: VerifiedTree,
+    raw_logits: torch.Tensor,
+    history: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    do_sample: bool,
+) -> Walk:
+    """Exact acceptance over what one row verified: raw target logits [1 + B, V] for its slots, the row's committed
+    ``history`` [T] (ending with the anchor). -> :class:`Walk`.
+
+    A chain without processors (greedy), or with proposal distributions (sampled), is accepted all slots at once;
+    otherwise the walk goes slot by slot, each slot's scores processed with that slot's own path."""
+    if verified.probs is not None:  # a sampled chain: each token against the q it was drawn from
+        if not verified.is_chain:
+            raise ValueError("proposal distributions are tested along a chain; a tree's candidates are deterministic")
+        tokens = verified.slot_tokens
+        scores = _chain_scores(tokens, raw_logits, history, logits_processor)
+        n, nxt = rejection_sample(tokens, verified.probs, probs(scores))
+        return Walk(list(range(1, n + 1)), nxt, scores[: n + 1])
+    if not do_sample and not logits_processor:
+        return _greedy_walk(verified, raw_logits)
+    slot, path, tokens, scores = 0, [], history, []
+    while True:
+        score = process(logits_processor, tokens[None], raw_logits[slot : slot + 1])
+        scores.append(score)
+        choice = torch.multinomial(probs(score)[0], 1)[0] if do_sample else score[0].argmax()
+        child = verified.children.get((slot, int(choice)))
+        if child is None:
+            return Walk(path, choice, torch.cat(scores))
+        path.append(child)
+        tokens = torch.cat([tokens, choice[None]])
+        slot = child
+
+
+def _chain_scores(tokens, raw_logits, history, logits_processor) -> torch.Tensor:
+    """A chain's processed scores [ℓ + 1, V]: each position's processors see the history and the chain up to it
+    (without processors, the raw logits, uncopied)."""
+    if not logits_processor:
+        return raw_logits
+    candidate, base = torch.cat([history, tokens.to(history.device)]), history.shape[0]
+    return torch.cat([process(logits_processor, candidate[None, : base + i], raw_logits[i : i + 1])
+                      for i in range(len(raw_logits))])  # fmt: skip
+
+
+def _greedy_walk(verified: VerifiedTree, raw_logits: torch.Tensor) -> Walk:
+    """Greedy without processors: every slot's argmax at once (one transfer), the path followed on the host."""
+    if verified.is_chain:
+        n, nxt = greedy_accept(verified.slot_tokens.to(raw_logits.device), raw_logits)
+        return Walk(list(range(1, n + 1)), nxt, raw_logits[: n + 1])
+    argmax = raw_logits.argmax(-1)
+    choices, slot, path = argmax.tolist(), 0, []
+    while (child := verified.children.get((slot, choices[slot]))) is not None:
+        path.append(child)
+        slot = child
+    return Walk(path, argmax[slot], raw_logits[[0, *path]])
