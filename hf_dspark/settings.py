@@ -80,7 +80,7 @@ class DecodingConfig:
         lookup_max_tokens: the most tokens a continuation verifies (``None``: γ; never more than ``verify_limit``,
             nor than the room left before ``max_length``; at most 256). ``lookup_max_ngram`` is at most 64.
         lookup_adaptive: a call's first lookup verifies at most γ tokens, each lookup accepted in full doubles that
-            width up to ``lookup_max_tokens``, and one cut short sets it back to γ.
+            width up to ``lookup_max_tokens``, and one cut short sets it back to γ (chains and trees alike).
     Token trees (``hf_dspark.decoding.tree``):
         tree_top_k: children per node (1: one chain; at most 256, and at most the tokens the draft can propose,
             checked when a call starts). Above 1, every row of a call verifies a tree of its own

@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import CASES, PAD, PROMPTS, chi_square_pvalue, exact_distribution, left_pad, processors, sample_counts
 
-from hf_dspark import DecodingConfig, DSparkConfig, DSparkDraftModel
+from hf_dspark import DecodingConfig, DSparkConfig, DSparkDraftModel, dspark_generate
 from hf_dspark.decoding import verify
 from hf_dspark.decoding.lookup import lookup_continuation, one_hot_probs
 from hf_dspark.scheduling.policy import SPSProfile
@@ -179,31 +179,48 @@ def test_adaptive_lookups_grow_while_accepted_in_full_and_stay_exact(mode):
     assert max(stats.proposed) > gamma
 
 
-def test_adaptive_lookup_width_rule():
-    """The width rule on its own: a short continuation accepted whole earns twice its length but never less than
-    γ, a long one at most ``lookup_max_tokens``, and one cut short goes back to γ (``None``)."""
-    from hf_dspark.decoding.chain import RoundPlan, Schedule, row_proposals
-    from hf_dspark.decoding.drafting import Proposal
-
-    draft = DSparkDraftModel.from_target(tiny_target(), block_size=4, head_rank=8)
+def test_adaptive_lookup_width_grows_in_tree_rounds_too():
+    """Trees look up through the same proposer and the same width rule: the first looked-up branch is at most γ
+    deep, later ones grow past it while accepted whole. Output: plain greedy's."""
+    target = tiny_target(dtype=torch.float64)
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
+    draft.decoding.verify_mode, draft.decoding.tree_top_k = "fixed", 2
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 3, 1
     draft.decoding.lookup_max_tokens, draft.decoding.lookup_adaptive = 12, True
     gamma = draft.config.num_draft_tokens
-    schedule = Schedule(draft.decoding.resolve(draft.confidence is not None), gamma)
+    ref = target.generate(REPEATING, max_new_tokens=60, do_sample=False)
+    out = target.generate(REPEATING, max_new_tokens=60, do_sample=False, custom_generate=dspark_generate, draft=draft)
+    assert out.tolist() == ref.tolist()
+    stats = draft.stats
+    assert stats.tree_fallback is None
+    depths = [depth for depth, looked in zip(stats.depths, stats.looked_up, strict=True) if looked]
+    assert depths[0] <= gamma < max(depths)
 
-    def verified(found: int, accepted: int) -> int | None:
-        looked_up = Proposal(torch.zeros(1, 0, dtype=torch.long), None, torch.zeros(1, 0))  # no block was drafted
-        plan = RoundPlan([0], {0: torch.arange(found)}, None)
-        schedule.observe(row_proposals(plan, looked_up, [found], 16, do_sample=False), [accepted])
-        return schedule.lookup_width
 
-    assert gamma > 2
+def test_adaptive_lookup_width_rule():
+    """The width rule on its own, one rule for chains and trees: a short continuation accepted whole earns twice
+    its length but never less than γ, a long one at most ``lookup_max_tokens``, and one cut short goes back to γ."""
+    from hf_dspark.decoding.lookup import LookupProposer
+
+    draft = DSparkDraftModel.from_target(tiny_target(), block_size=4, head_rank=8)
+    draft.decoding.lookup_max_ngram, draft.decoding.lookup_max_tokens, draft.decoding.lookup_adaptive = 3, 12, True
+    gamma = draft.config.num_draft_tokens
+    lookup = LookupProposer.of(draft.decoding.resolve(draft.confidence is not None), gamma)
+
+    def verified(found: int, accepted: int) -> int:
+        lookup.observe_width(found, accepted)
+        return lookup.width
+
+    assert gamma > 2 and lookup.width == gamma
     assert verified(found=1, accepted=1) == gamma
     assert verified(found=gamma, accepted=gamma) == min(2 * gamma, 12)
     assert verified(found=12, accepted=12) == 12
-    assert verified(found=12, accepted=5) is None
+    assert verified(found=12, accepted=5) == gamma
     draft.decoding.lookup_adaptive = False
-    schedule = Schedule(draft.decoding.resolve(draft.confidence is not None), gamma)
-    assert verified(found=gamma, accepted=gamma) is None  # the rule is off
+    lookup = LookupProposer.of(draft.decoding.resolve(draft.confidence is not None), gamma)
+    assert verified(found=gamma, accepted=gamma) == 12  # the rule is off: always lookup_max_tokens
+    draft.decoding.lookup_max_ngram = 0
+    assert LookupProposer.of(draft.decoding.resolve(draft.confidence is not None), gamma) is None
 
 
 def test_a_round_where_every_row_looks_up_does_not_draft(monkeypatch):

@@ -22,7 +22,7 @@ from ..scheduling.recalibration import AcceptanceRecalibration
 from ..settings import DecodingConfig
 from .costs import ObservedRounds, PricedRounds, observed_rounds, premium, round_prices
 from .drafting import Proposal, draft_block
-from .lookup import lookups, one_hot_probs
+from .lookup import LookupProposer, one_hot_probs
 from .state import Call, DecodeState
 from .tree import VerifiedTree
 from .verification import verify
@@ -89,11 +89,12 @@ class Schedule(PricedRounds):
     planning: SPSProfile | None = None  # ``sps`` with the draft block's cost added to every step
     confidences: list[torch.Tensor] = field(default_factory=list)  # the last two drafted rounds' (async: the older)
     backoff: Backoff = field(default_factory=Backoff)  # rounds that do not draft after a round that did not pay
-    lookup_width: int | None = None  # ``lookup_adaptive``: the most tokens the next lookup verifies (None: γ)
+    lookup: LookupProposer | None = None  # the call's lookup drafting (``lookup_max_ngram`` > 0)
     recalibration: AcceptanceRecalibration | None = None  # priced modes: the head's confidences, shifted per call
     observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
 
     def __post_init__(self):
+        self.lookup = LookupProposer.of(self.settings, self.draft_tokens)
         if self.priced and self.settings.confidence_recalibration:
             self.recalibration = AcceptanceRecalibration(self.draft_tokens)
 
@@ -113,8 +114,8 @@ class Schedule(PricedRounds):
         # a row whose recent tokens repeat earlier ones verifies what followed them instead of a drafted block, when
         # it is the only row running: in a batch every row shares the verify block's width, and lookups, which no
         # plan prices, widened it past what the scheduler pays for (R = 4: 58 tok/s against 67 scheduled)
-        alone = s.lookup_max_ngram > 0 and len(state.active) == 1
-        looked_up = lookups(s, state.histories(), self.lookup_room(state, max_length)) if alone else {}
+        alone = self.lookup is not None and len(state.active) == 1
+        looked_up = self.lookups(state, max_length) if alone else {}
         sits_out = self.backoff.sit_out()
         caps = [0 if sits_out or r in looked_up else room[r] for r in range(state.size)]
         planner = column_plan(
@@ -123,36 +124,29 @@ class Schedule(PricedRounds):
         )  # fmt: skip
         return RoundPlan(caps, looked_up, planner)
 
-    def lookup_room(self, state: DecodeState, max_length: int) -> list[int]:
-        """The most tokens each row's lookup continuation may verify this round: ``lookup_max_tokens`` (γ when
-        ``None``; with ``lookup_adaptive``, the width its past lookups earned), within ``verify_limit`` and the room
-        left before ``max_length``."""
-        s = self.settings
-        limit = s.lookup_max_tokens or self.draft_tokens
-        if s.lookup_adaptive:
-            limit = min(limit, self.lookup_width or self.draft_tokens)
-        if s.verify_limit is not None:
-            limit = min(limit, s.verify_limit)
-        return state.room(limit, max_length)
+    def lookups(self, state: DecodeState, max_length: int) -> dict[int, torch.Tensor]:
+        """{row: the lookup continuation it verifies this round} for the rows whose last n-gram occurred earlier:
+        at most the lookup's width, within ``verify_limit`` and the room left before ``max_length``."""
+        limit = self.lookup.width
+        if self.settings.verify_limit is not None:
+            limit = min(limit, self.settings.verify_limit)
+        room, found = state.room(limit, max_length), {}
+        for r in state.active:
+            tokens = self.lookup.continuation(state.history(r), room[r])
+            if tokens.numel():
+                found[r] = tokens
+        return found
 
     def observe(self, rows: list[RowProposal], accepted: list[int]) -> None:
-        """After a verify (``accepted`` [R]: each row's accepted candidates): each drafted row's acceptance
-        feeds the recalibration. With ``lookup_adaptive``, a lookup accepted in full makes the next lookup's width
-        twice its length (at least γ: a short continuation accepted whole is no reason to verify less than a
-        drafted block; at most ``lookup_max_tokens``), one cut short sets it back to γ. Only one row looks up in a
-        round, so one width serves the call."""
-        if self.recalibration is not None:
-            for r, row in enumerate(rows):
-                if row.confidences:
-                    self.recalibration.observe(row.confidences, accepted[r])
-        if not self.settings.lookup_adaptive:
-            return
+        """After a verify (``accepted`` [R]: each row's accepted candidates): each drafted row's acceptance feeds
+        the recalibration, a looked-up row's the lookup's rate and width."""
         for r, row in enumerate(rows):
+            if row.confidences and self.recalibration is not None:
+                self.recalibration.observe(row.confidences, accepted[r])
             if row.looked_up:
                 ell = row.tokens.shape[0]
-                cap = self.settings.lookup_max_tokens or self.draft_tokens
-                whole = accepted[r] == ell
-                self.lookup_width = max(self.draft_tokens, min(2 * ell, cap)) if whole else None
+                self.lookup.observe(min(accepted[r] + 1, ell), accepted[r])
+                self.lookup.observe_width(ell, accepted[r])
 
     def lengths(self, plan: RoundPlan, proposal: Proposal, state: DecodeState) -> list[int]:
         """Tokens each row verifies: the plan's (closed while drafting, or chosen now from the whole block), a

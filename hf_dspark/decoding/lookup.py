@@ -2,13 +2,16 @@
 
 Code and worked answers repeat their prompt and themselves (identifiers, numbers, whole lines). When a row's last
 n tokens occurred earlier in its history, the tokens that followed that occurrence are a free draft, often longer
-and surer than a small draft model's. The DSpark loop verifies such a continuation in place of the draft's block
-(``DecodingConfig.lookup_max_ngram``); verification is unchanged, so the output stays exactly the target's. The
-proposal is deterministic, so for sampling its q is one-hot (:func:`one_hot_probs`) and rejection sampling accepts
-a looked-up token x with probability p(x).
+and surer than a small draft model's (``DecodingConfig.lookup_max_ngram``). One :class:`LookupProposer` serves a
+call's rounds: a chain round verifies its continuation in place of the draft's block, a tree round adds it as a
+branch; verification is unchanged, so the output stays exactly the target's. The proposal is deterministic, so for
+sampling its q is one-hot (:func:`one_hot_probs`) and rejection sampling accepts a looked-up token x with
+probability p(x).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -43,14 +46,61 @@ def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(tokens, vocab_size).float()
 
 
-def lookups(settings, histories: list[torch.Tensor], room: list[int]) -> dict[int, torch.Tensor]:
-    """Lookup drafting for one round: {row: the continuation [k ≤ room[r]] it verifies}, for the rows with room
-    whose last n-gram occurred earlier in their history (``settings``, a ``DecodingConfig``: ``lookup_max_ngram``
-    down to ``lookup_min_ngram``)."""
-    found = {}
-    for r, h in enumerate(histories):
-        if room[r] > 0:
-            tokens = lookup_continuation(h, settings.lookup_max_ngram, settings.lookup_min_ngram, room[r])
-            if tokens.numel():
-                found[r] = tokens
-    return found
+@dataclass
+class LookupProposer:
+    """A call's lookup drafting: the continuation of a row's last n-gram's latest earlier occurrence
+    (:func:`lookup_continuation`, n from ``max_ngram`` down to ``min_ngram``), at most ``width`` tokens.
+
+    Two things it learns from the call's rounds: ``rate``, the observed acceptance of a looked-up token whose parent
+    was reached (a Beta(1, 1) prior; a tree values a node k deep at rate^k), and, with ``adaptive``
+    (``lookup_adaptive``), the width: the first lookup verifies at most γ (``draft_tokens``) tokens, one accepted
+    in full makes the next twice its length (at least γ: a short continuation accepted whole is no reason to verify
+    less than a drafted block; at most ``max_tokens``), one cut short sets it back to γ."""
+
+    max_ngram: int
+    min_ngram: int
+    max_tokens: int  # ``lookup_max_tokens`` (γ when unset)
+    draft_tokens: int  # γ
+    adaptive: bool = False
+    earned: int | None = None  # ``adaptive``: the width the last whole lookup earned (None: γ)
+    accepted: float = 1.0  # a Beta(1, 1) prior on the per-token acceptance
+    reached: float = 2.0
+
+    @classmethod
+    def of(cls, settings, draft_tokens: int) -> LookupProposer | None:
+        """The call's lookup from its settings (a ``DecodingConfig``), or None when lookup drafting is off."""
+        if settings.lookup_max_ngram == 0:
+            return None
+        cap = settings.lookup_max_tokens or draft_tokens
+        return cls(settings.lookup_max_ngram, settings.lookup_min_ngram, cap, draft_tokens, settings.lookup_adaptive)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.reached
+
+    @property
+    def width(self) -> int:
+        """The most tokens the next continuation proposes."""
+        return min(self.max_tokens, self.earned or self.draft_tokens) if self.adaptive else self.max_tokens
+
+    def continuation(self, history: torch.Tensor, room: int) -> torch.Tensor:
+        """history [T] -> the continuation [k ≤ min(width, room)] (empty: no earlier occurrence, or no room)."""
+        return lookup_continuation(history, self.max_ngram, self.min_ngram, min(self.width, room))
+
+    def propose(self, trees: list, requests: list) -> None:
+        """Each request's continuation as a branch of its tree (a :class:`~hf_dspark.decoding.proposers.Proposer`)."""
+        for tree, request in zip(trees, requests, strict=True):
+            found = self.continuation(request.history, request.max_depth)
+            if found.numel():
+                tree.add_path(found.tolist(), [self.rate] * found.shape[0], "lookup")
+
+    def observe(self, reached: int, accepted: int) -> None:
+        """``reached`` looked-up tokens whose parent was on the accepted path, ``accepted`` of them kept."""
+        self.reached += reached
+        self.accepted += accepted
+
+    def observe_width(self, verified: int, accepted: int) -> None:
+        """After a continuation of ``verified`` tokens had ``accepted`` of them kept: the adaptive width's rule."""
+        if self.adaptive and verified:
+            whole = accepted == verified
+            self.earned = max(self.draft_tokens, min(2 * verified, self.max_tokens)) if whole else None

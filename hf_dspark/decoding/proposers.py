@@ -7,7 +7,7 @@ and :func:`propose_tree` merges them (shared prefixes become one node), so one v
 proposer is one class here.
 
     DraftTreeProposer   one backbone pass of the draft, then the sequential head expanded node by node
-    LookupProposer      what followed the last earlier occurrence of the row's recent tokens
+    LookupProposer      (lookup.py) what followed the last earlier occurrence of the row's recent tokens
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from transformers.generation import LogitsProcessorList
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.recalibration import AcceptanceRecalibration
 from .drafting import DraftContext, draft_backbone, head_step
-from .lookup import lookup_continuation
+from .lookup import LookupProposer
 from .tree import TokenTree
 from .verify import process
 
@@ -225,35 +225,6 @@ class DraftTreeProposer:
         return [(node, i, j) for _, node, i, j in kept]
 
 
-@dataclass
-class LookupProposer:
-    """Lookup drafting as a branch: the continuation of the row's last n-gram's latest earlier occurrence
-    (:func:`~hf_dspark.decoding.lookup.lookup_continuation`), each token valued by ``rate``, the call's observed
-    conditional acceptance of looked-up tokens (a node k deep is worth rate^k)."""
-
-    max_ngram: int
-    min_ngram: int
-    max_tokens: int
-    accepted: float = 1.0  # a Beta(1, 1) prior on the per-token acceptance
-    reached: float = 2.0
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.reached
-
-    def propose(self, trees: list[TokenTree], requests: list[TreeRequest]) -> None:
-        for tree, request in zip(trees, requests, strict=True):
-            room = min(self.max_tokens, request.max_depth)
-            found = lookup_continuation(request.history, self.max_ngram, self.min_ngram, room)
-            if found.numel():
-                tree.add_path(found.tolist(), [self.rate] * found.shape[0], "lookup")
-
-    def observe(self, reached: int, accepted: int) -> None:
-        """``reached`` looked-up nodes whose parent was on the accepted path, ``accepted`` of them kept."""
-        self.reached += reached
-        self.accepted += accepted
-
-
 def propose_trees(proposers: list[Proposer], requests: list[TreeRequest]) -> list[TokenTree]:
     """One tree per request with every proposer's candidates for its row, shared prefixes merged."""
     trees = [TokenTree() for _ in requests]
@@ -269,8 +240,7 @@ def tree_proposers(draft, settings, recalibration=None) -> list[Proposer]:
     from each walk. A new proposer is a class above and a line here."""
     merge = settings.tree_lookup_merge or settings.lookup_max_ngram == 0
     drafter = DraftTreeProposer(draft, None, settings.tree_top_k, recalibration=recalibration, only_empty=not merge)
-    if settings.lookup_max_ngram == 0:
+    lookup = LookupProposer.of(settings, draft.config.num_draft_tokens)
+    if lookup is None:
         return [drafter]
-    cap = settings.lookup_max_tokens or draft.config.num_draft_tokens
-    lookup = LookupProposer(settings.lookup_max_ngram, settings.lookup_min_ngram, cap)
     return [drafter, lookup] if merge else [lookup, drafter]

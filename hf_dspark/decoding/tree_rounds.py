@@ -24,7 +24,8 @@ from ..settings import MAX_VERIFY_WIDTH, DecodingConfig
 from .checks import tree_refusal
 from .costs import ObservedRounds, PricedRounds, observed_rounds, premium, sps_profile, tree_draft_seconds
 from .drafting import DraftContext
-from .proposers import LookupProposer, TreeRequest, propose_trees, tree_proposers
+from .lookup import LookupProposer
+from .proposers import TreeRequest, propose_trees, tree_proposers
 from .state import Call, DecodeState
 from .stats import DSparkStats
 from .tree import TokenTree, VerifiedTree
@@ -214,6 +215,8 @@ class TreeSchedule(PricedRounds):
                 reached, accepted = reached + 1, accepted + (s in on_path)
         if self.lookup is not None:
             self.lookup.observe(reached, accepted)
+            looked_up = [s for s, node in enumerate(verified.nodes, start=1) if "lookup" in tree.sources[node]]
+            self.lookup.observe_width(len(looked_up), sum(s in on_path for s in looked_up))
         recalibration = self.recalibration
         if recalibration is not None:  # the draft's top choices along the walk, as a chain of positions 1, 2, ...
             slot_of = {node: s for s, node in enumerate(verified.nodes, start=1)}
