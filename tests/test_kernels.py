@@ -197,6 +197,47 @@ def test_greedy_generation_through_kernels_equals_torch_path(head, vocab, head_v
         assert a == pytest.approx(b, abs=1e-5)
 
 
+@pytest.mark.parametrize(("head", "do_sample"), [("markov", False), ("rnn", False), ("markov", True)])
+def test_tree_expansion_through_kernels_equals_torch_path(head, do_sample, monkeypatch):
+    """Token trees step the head through the same dispatcher as chains: the kernel path builds the same trees
+    (greedy: plain greedy's output; sampling at a temperature, which the kernel fuses and the expansion must not
+    apply twice: the same seeded output, since the trees' nodes are the draft's top children either way)."""
+    import hf_dspark
+    import hf_dspark.model.kernel_dispatch
+
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type=head, head_rank=8)
+    with torch.no_grad():
+        draft.sequential_head.markov_w2.weight.normal_(0, 1.0)
+    draft.decoding.cost_recalibration, draft.decoding.verify_mode, draft.decoding.tree_top_k = False, "fixed", 2
+    ids = torch.tensor([[5, 9, 14, 3, 77]])
+    kw = dict(max_new_tokens=12, do_sample=do_sample, custom_generate=hf_dspark.dspark_generate, draft=draft)
+    if do_sample:
+        kw.update(temperature=0.5, top_k=None, top_p=None)
+
+    def run():
+        torch.manual_seed(3)
+        return target.generate(ids, **kw)
+
+    monkeypatch.setenv("HF_DSPARK_KERNELS", "torch")
+    torch_out, torch_stats = run(), draft.stats
+    monkeypatch.setenv("HF_DSPARK_KERNELS", "triton")
+    calls = []
+    original = hf_dspark.model.kernel_dispatch.fused_head_step
+    monkeypatch.setattr(
+        "hf_dspark.decoding.drafting.fused_head_step", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    kernel_out = run()
+    assert calls, "the kernel path was not taken"
+    assert draft.stats.tree_fallback is None and max(draft.stats.proposed) > 4  # trees, wider than a chain
+    assert kernel_out.tolist() == torch_out.tolist()
+    assert draft.stats.proposed == torch_stats.proposed and draft.stats.accepted == torch_stats.accepted
+    edges = [e for row in draft.stats.tree_edges for e, _, _ in row]  # the nodes' values, from q at the slot
+    assert edges == pytest.approx([e for row in torch_stats.tree_edges for e, _, _ in row], abs=1e-4)
+    if not do_sample:
+        assert kernel_out.tolist() == target.generate(ids, max_new_tokens=12, do_sample=False).tolist()
+
+
 def test_backend_switch_is_validated(monkeypatch):
     from hf_dspark.model.kernel_dispatch import backend
 

@@ -162,12 +162,21 @@ class LayerTap:
         self.handles, self.buffer = [], None
 
 
-def head_step(draft, logits, h_k, prev, state, conf_temperature, rows=None):
-    """The one PyTorch step of the draft's heads at one slot, for chains and trees alike: the sequential head's bias
-    (from each row's previous token ``prev`` [R] and its own state) added to the slot's base ``logits`` [R, V] (over
-    W2's ``rows`` when given), and the slot's calibrated confidence from h_k [R, d] and the head's W1 feature:
-    -> (logits, confidences [R] or None, head state). The fused Triton step (:func:`_kernel_slot`) computes the
-    same for chains."""
+def head_step(draft, logits, h_k, prev, state, conf_temperature, rows=None, kernel_temperature=None):
+    """One step of the draft's heads at one slot, wherever the head steps (a chain's block, a tree's expansion): the
+    sequential head's bias (from each row's previous token ``prev`` [R] and its own state) added to the slot's base
+    ``logits`` [R, V] (over W2's ``rows`` when given), and the slot's calibrated confidence from h_k [R, d] and the
+    head's W1 feature: -> (logits, confidences [R] or None, head state).
+
+    ``kernel_temperature`` (set where :func:`~hf_dspark.model.kernel_dispatch.use_kernels` says the fused Triton
+    step serves this call: the call's processing is at most that temperature) runs the step through the kernel,
+    whose logits come divided by the temperature already; else PyTorch. A chain's sampled slot
+    (:func:`_kernel_slot`) also takes the kernel's own draw."""
+    if kernel_temperature is not None:
+        scores, _, _, conf, state = fused_head_step(
+            draft, logits, h_k, prev, state, kernel_temperature, False, conf_temperature
+        )
+        return scores, conf, state
     head, conf_head, feature, conf = draft.sequential_head, draft.confidence, None, None
     if head is not None:
         bias, feature, state = head.step(prev, h_k, state, rows=rows)

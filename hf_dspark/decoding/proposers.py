@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from transformers.generation import LogitsProcessorList
 
+from ..model.kernel_dispatch import fused_temperature, use_kernels
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.recalibration import AcceptanceRecalibration
 from .drafting import DraftContext, draft_backbone, head_step
@@ -99,14 +100,18 @@ class DraftTreeProposer:
         for i in drafting:
             anchors[requests[i].row] = requests[i].history[-1]
             positions[requests[i].row] = requests[i].anchor_position
-        # without processors and with a draft vocabulary, children are chosen inside it: the LM head and the head's
-        # bias cover len(draft_vocab) columns, not V (the processors need the whole vocabulary)
-        subset = not requests[0].logits_processor and draft.draft_vocab is not None
+        # the fused Triton step where it serves the call (as for chains), else PyTorch; on the PyTorch path without
+        # processors and with a draft vocabulary, children are chosen inside it: the LM head and the head's bias
+        # cover len(draft_vocab) columns, not V (the processors, and the kernel, need the whole vocabulary)
+        processors = requests[0].logits_processor
+        kernel = use_kernels(draft, anchors.device, processors, len(drafting))
+        subset = not kernel and not processors and draft.draft_vocab is not None
         out = draft_backbone(draft, context, anchors, positions, not subset)
         rows = torch.tensor([requests[i].row for i in drafting], device=anchors.device)
         hidden = out.hidden_states[rows]
         logits = draft.draft_vocab_logits(hidden) if subset else out.logits[rows]
-        self.expand([trees[i] for i in drafting], [requests[i] for i in drafting], hidden, logits, subset)
+        self.expand([trees[i] for i in drafting], [requests[i] for i in drafting], hidden, logits, subset,
+                    fused_temperature(processors) if kernel else None)  # fmt: skip
 
     def expand(
         self,
@@ -115,12 +120,14 @@ class DraftTreeProposer:
         hidden: torch.Tensor,
         logits: torch.Tensor,
         subset: bool,
+        kernel_temperature: float | None = None,
     ) -> None:
         """Grow each request's tree from its row's backbone block: ``hidden`` [n, block, d], base ``logits``
         [n, block, V] (or [n, block, len(draft_vocab)] when ``subset``), one row per request, level by level
-        through the sequential head. Every row's frontier goes through the head together, one depth at a time (a
-        batch pays the head's small operations once a depth, not once a row a depth); each row's choice of
-        children and its stops are its own."""
+        through the sequential head (:func:`~hf_dspark.decoding.drafting.head_step`: through the fused kernel with
+        ``kernel_temperature``, which then is the call's whole processing). Every row's frontier goes through the
+        head together, one depth at a time (a batch pays the head's small operations once a depth, not once a row a
+        depth); each row's choice of children and its stops are its own."""
         draft = self.draft
         conf_head = draft.confidence
         w2_rows = draft.head_vocab_rows() if subset else draft.head_full_rows()
@@ -142,9 +149,11 @@ class DraftTreeProposer:
             prev = torch.tensor([p[-1] for p in paths], device=device)
             h_k = hidden[owner, slot]
             temperature = temps[k] if temps else None
-            step, conf, state = head_step(draft, logits[owner, slot], h_k, prev, state, temperature, w2_rows)
+            step, conf, state = head_step(
+                draft, logits[owner, slot], h_k, prev, state, temperature, w2_rows, kernel_temperature
+            )
             step = step.to(torch.float32 if step.dtype != torch.float64 else step.dtype)
-            if requests[0].logits_processor:  # the call's processors, on each node's own path
+            if requests[0].logits_processor and kernel_temperature is None:  # the processors, on each node's path
                 histories = [
                     torch.cat([requests[i].history, torch.tensor(p[1:], dtype=torch.long, device=device)])[None]
                     for i, p in zip(owners, paths, strict=True)
