@@ -56,8 +56,7 @@ def test_verified_tree_mask_positions_and_children():
     verified = VerifiedTree.of(tree, tree.select(budget=5, max_depth=2))  # nodes 0..4 in depth order
     assert verified.nodes == [0, 1, 2, 3, 4]
     assert verified.parent_slots == [-1, 0, 0, 1, 1, 2]
-    assert verified.tokens(3, "cpu").tolist() == [[3, 5, 6, 7, 8, 9]]
-    assert verified.positions(10, "cpu").tolist() == [[10, 11, 11, 12, 12, 12]]
+    assert verified.slot_tokens.tolist() == [5, 6, 7, 8, 9] and verified.slot_depths == [1, 1, 2, 2, 2]
     expected = torch.tensor(
         [
             [1, 0, 0, 0, 0, 0],
@@ -104,6 +103,29 @@ def test_walk_processes_each_slot_with_its_own_path():
     penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(10.0)])
     result = walk(verified, raw, torch.tensor([1, 2]), penalty, do_sample=False)
     assert result.slots == [2] and int(result.next_token) == 4
+
+
+def test_walk_tests_a_sampled_chain_against_its_q():
+    """A chain's token drawn from q is kept with probability min(1, p/q), and after a rejection the new token comes
+    from norm(max(0, p - q)): p = (0.6, 0.4, 0) at the anchor, the chain's token 0 drawn from q = (0.8, 0, 0.2) is
+    kept 3/4 of the time, and a rejection can only yield token 1 (the residual's whole mass). q on a branched tree
+    is refused by name (its children are the draft's top choices, not draws)."""
+    torch.manual_seed(0)
+    raw = torch.log(torch.tensor([[0.6, 0.4, 1e-30], [0.2, 0.3, 0.5]]))
+    chain = VerifiedTree.chain(torch.tensor([0]), torch.tensor([[0.8, 0.0, 0.2]]))
+    kept, after_rejection = 0, set()
+    for _ in range(4000):
+        result = walk(chain, raw, torch.tensor([7]), LogitsProcessorList(), do_sample=True)
+        if result.slots == [1]:
+            kept += 1
+        else:
+            after_rejection.add(int(result.next_token))
+    assert abs(kept / 4000 - 0.75) < 0.03 and after_rejection == {1}
+    tree = _tree()
+    branched = VerifiedTree.of(tree, [0, 1])
+    branched.probs = torch.full((2, 12), 1 / 12)
+    with pytest.raises(ValueError, match="tested along a chain"):
+        walk(branched, torch.zeros(3, 12), torch.tensor([1]), LogitsProcessorList(), do_sample=True)
 
 
 def _prompt(seed=0, length=9, vocab=96):

@@ -153,14 +153,6 @@ class VerifiedTree:
     def depth(self) -> int:
         return max(self.slot_depths, default=0)
 
-    def tokens(self, anchor: int, device) -> torch.Tensor:
-        """[1, 1 + B]: the anchor, then each slot's token."""
-        return torch.cat([torch.tensor([anchor]), self.slot_tokens.cpu()])[None].to(device)
-
-    def positions(self, anchor_position: int, device) -> torch.Tensor:
-        """[1, 1 + B]: anchor position + depth."""
-        return anchor_position + torch.tensor([[0, *self.slot_depths]], device=device)
-
     def ancestors(self, device) -> torch.Tensor:
         """[1 + B, 1 + B] bool: slot i may attend to slot j (j is i or one of its ancestors)."""
         n = len(self.parent_slots)
