@@ -15,6 +15,7 @@ refused, since bfloat16 and float32 steps cost very differently on a CPU with bf
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from hf_dspark import DSparkDraftModel
@@ -27,7 +28,8 @@ def pin_costs(
 ) -> dict:
     """Load the costs pinned in ``path`` onto ``draft`` (its ``sps_profile`` and its measured drafting costs for one
     row, greedy, chain and every tree width in the file), or, when ``path`` does not exist, measure them (the verify
-    profile out to ``max_width`` slots, the chain's draft block, each ``tree_top_k``'s tree) and write it. -> the
+    profile out to ``max_width`` slots, the chain's draft block, each ``tree_top_k``'s tree and, with any tree, the
+    narrowed chain's, a tree of top-k 1, which scheduled trees price narrowing with) and write it. -> the
     pinned costs: ``{"dtype": name, "device": name, "sps": {B: steps/s}, "chain_seconds": s, "tree_seconds": {k: s}}``.
     """
     device, dtype = str(draft.device), str(draft.dtype).removeprefix("torch.")
@@ -42,14 +44,23 @@ def pin_costs(
         missing = [k for k in tree_top_k if str(k) not in costs["tree_seconds"]]
         if missing:
             raise ValueError(f"{path} pins no drafting cost for trees of top-k {missing}: pin them in a new file")
+        if tree_top_k and "1" not in costs["tree_seconds"]:
+            warnings.warn(
+                f"{path} pins no drafting cost for the narrowed chain (a tree of top-k 1, which scheduled trees price "
+                "their narrowing with): this process measures it, so trees may schedule differently between runs; "
+                "pin the costs in a new file",
+                stacklevel=2,
+            )
     else:
         profile = sps_profile(draft, target, 1, max_width=max_width)
+        # with any tree, the narrowed chain's (top-k 1) too: scheduled trees price narrowing to the chain with it
+        widths = sorted({1, *tree_top_k}) if tree_top_k else []
         costs = {
             "dtype": dtype,
             "device": device,
             "sps": {str(b): s for b, s in profile.table.items()},
             "chain_seconds": draft_seconds(draft, 1),
-            "tree_seconds": {str(k): tree_draft_seconds(draft, k) for k in tree_top_k},
+            "tree_seconds": {str(k): tree_draft_seconds(draft, k) for k in widths},
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(costs, indent=1))

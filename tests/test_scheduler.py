@@ -600,6 +600,11 @@ def test_pinned_costs_are_measured_once_and_then_set_without_measuring(tmp_path,
     assert costs.sps_profile(second, target, 1, max_width=9).table == {int(b): s for b, s in pinned["sps"].items()}
     assert costs.draft_seconds(second, 1) == pinned["chain_seconds"]
     assert costs.tree_draft_seconds(second, 2) == pinned["tree_seconds"]["2"]
+    assert costs.tree_draft_seconds(second, 1) == pinned["tree_seconds"]["1"]  # the narrowed chain, pinned with trees
+    older = tmp_path / "older.json"  # a file pinned before the narrowed chain was: its runs measure it, and say so
+    older.write_text(json.dumps({**pinned, "tree_seconds": {"2": pinned["tree_seconds"]["2"]}}))
+    with pytest.warns(UserWarning, match=r"pins no drafting cost for the narrowed chain"):
+        pin_costs(DSparkDraftModel.from_target(target, block_size=4, head_rank=8), target, older, tree_top_k=[2])
     with pytest.raises(ValueError, match=r"pins no drafting cost for trees of top-k \[4\]"):
         pin_costs(second, target, path, tree_top_k=[2, 4])
     assert pinned["dtype"] == "float32" and pinned["device"] == "cpu"
