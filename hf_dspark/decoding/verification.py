@@ -21,10 +21,11 @@ from .verify import Walk, walk
 @dataclass
 class VerifyBlock:
     """The round's verify block: ``tokens`` [R, W] (each active row's anchor, then its candidates; padding after
-    them and in finished rows), ``positions`` [R, W] (anchor position + depth) and the target's attention ``mask``
-    (None, [R, S + W] or [R, 1, W, S + W])."""
+    them and in finished rows), ``valid`` [R, W] (False for padding), ``positions`` [R, W] (anchor position + depth)
+    and the target's attention ``mask`` (None, [R, S + W] or [R, 1, W, S + W])."""
 
     tokens: torch.Tensor
+    valid: torch.Tensor
     positions: torch.Tensor
     mask: torch.Tensor | None
 
@@ -47,10 +48,10 @@ def verify_block(
             valid[r, : 1 + v.size] = True
     if all(v is None or v.is_chain for v in verified):
         positions = state.anchor_positions[:, None] + torch.arange(width, device=device)
-        return VerifyBlock(tokens, positions, state.attention_mask(valid))
+        return VerifyBlock(tokens, valid, positions, state.attention_mask(valid))
     depths = [[0, *v.slot_depths] + [0] * (width - 1 - v.size) if v is not None else [0] * width for v in verified]
     positions = state.anchor_positions[:, None] + torch.tensor(depths, device=device)
-    return VerifyBlock(tokens, positions, tree_attention_mask(verified, state.cache_mask, dtype))
+    return VerifyBlock(tokens, valid, positions, tree_attention_mask(verified, state.cache_mask, dtype))
 
 
 def verify(call: Call, state: DecodeState, verified: list[VerifiedTree | None]) -> list[Walk | None]:
@@ -61,13 +62,13 @@ def verify(call: Call, state: DecodeState, verified: list[VerifiedTree | None]) 
     block = verify_block(state, verified, call.pad_id, call.target.dtype)
     out, fused = target_forward(call.target, block.tokens, block.positions, block.mask, call.cache, call.tap)
     raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
+    check_finite(raw, block.valid)  # one check (one sync on a GPU) for the whole block
     walks: list[Walk | None] = [None] * state.size
     paths: list[list[int]] = [[] for _ in range(state.size)]
     for r, v in enumerate(verified):
         if v is None:
             continue
         logits = raw[r, : 1 + v.size]
-        check_finite(logits)
         result = walks[r] = walk(v, logits, state.history(r), rules.processors, rules.do_sample)
         n = len(result.slots)
         new = torch.cat([block.tokens[r, result.slots], result.next_token[None]])
