@@ -127,3 +127,57 @@ def test_a_walk_that_favours_the_top_child_is_detected(small_target, monkeypatch
     counts = sample_counts(small_target, draft, {**kw, "tree_top_k": 3, "verify_mode": "fixed"},
                            custom_generate=True)  # fmt: skip
     assert chi_square_pvalue(counts, probs) < ALPHA
+
+
+def test_recursive_rejection_over_deterministic_and_sampled_children_follows_the_target():
+    """One slot with a deterministic child (token 0, a lookup's) and a child drawn from q (the draft's, merged into
+    the first whenever the draw is 0): the token the slot commits, descended into or drawn after both rejections,
+    follows p exactly (chi-square over 4,000 walks, a fresh draw from q each)."""
+    from hf_dspark.decoding.tree import TokenTree, VerifiedTree
+    from hf_dspark.decoding.verify import walk
+
+    torch.manual_seed(0)
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    raw = torch.log(p)[None].expand(3, -1)
+    counts, merged, descended = {}, 0, 0
+    for _ in range(4000):
+        tree = TokenTree()
+        tree.add(-1, 0, 0.5, "lookup")
+        x = int(torch.multinomial(q, 1))
+        tree.add(-1, x, 0.5, "draft", top=True, probs=q)
+        verified = VerifiedTree.of(tree, list(range(len(tree))))
+        merged += x == 0
+        result = walk(verified, raw, torch.tensor([1]), LogitsProcessorList(), do_sample=True)
+        token = int(verified.slot_tokens[result.slots[0] - 1]) if result.slots else int(result.next_token)
+        descended += bool(result.slots)
+        counts[(token,)] = counts.get((token,), 0) + 1
+    assert merged > 200 and 0 < descended < 4000  # both kinds of round, and the merged node, were walked
+    assert chi_square_pvalue(counts, {(t,): float(p[t]) for t in range(4)}) > ALPHA
+
+
+def test_a_tree_narrowed_to_the_chain_samples_its_child_and_stays_exact(small_target, monkeypatch):
+    """Narrowed tree rounds (width one) under sampling draw their child from q and accept it against q, as a chain
+    does (rejection sampling over the tree's chain), instead of taking the draft's top child: the first tokens
+    still follow the target, and the draws were tested against their q."""
+    from hf_dspark.decoding import tree_rounds, verify
+
+    real_requests, tested = tree_rounds.TreeSchedule.requests, []
+
+    def narrowed(self, *args, **kwargs):
+        requests = real_requests(self, *args, **kwargs)
+        for request in requests:
+            request.top_k = 1  # every drafted round narrowed to the chain
+        return requests
+
+    real_rejection = verify.rejection_sample
+    monkeypatch.setattr(tree_rounds.TreeSchedule, "requests", narrowed)
+    monkeypatch.setattr(verify, "rejection_sample", lambda *a, **k: tested.append(1) or real_rejection(*a, **k))
+    kw = CASES["temperature"]
+    draft = _sampling_draft(small_target)
+    probs = exact_distribution(small_target, processors(kw["temperature"]))
+    counts = sample_counts(small_target, draft, {**kw, "tree_top_k": 2, "verify_mode": "fixed"},
+                           custom_generate=True)  # fmt: skip
+    assert chi_square_pvalue(counts, probs) > ALPHA
+    accepted, proposed = _tree_nodes_taken(draft)
+    assert tested and 0 < accepted < proposed

@@ -45,6 +45,7 @@ class TreeRequest:
     logits_processor: LogitsProcessorList
     draft: bool = True  # False in rounds the schedule backs off from drafting
     top_k: int | None = None  # children per node this round (None: the proposer's own; 1: the schedule narrowed)
+    sample: bool = False  # the call samples: a node of width one draws its child from q
     settled: Callable[[TokenTree, float, int], bool] | None = None
 
 
@@ -165,8 +166,11 @@ class DraftTreeProposer:
             q = torch.softmax(step, dim=-1)
             widest = max(min(self.top_k, requests[i].top_k or self.top_k) for i in growing)
             q_top, x_top = q.topk(min(widest, q.shape[-1]), dim=-1)
+            drawn = self.draw(q, q_top, x_top, [requests[i] for i in owners])
             if subset:
                 x_top = draft.draft_vocab[x_top]
+                drawn = {j: q.new_zeros(draft.config.vocab_size).index_copy_(0, draft.draft_vocab, q_j)
+                         for j, q_j in drawn.items()}  # fmt: skip
             edges = q_top.double()
             if conf is not None:
                 raw = conf.double()
@@ -183,8 +187,9 @@ class DraftTreeProposer:
             following, keep, start = {}, [], 0
             for i, (frontier, row_paths) in growing.items():
                 tree, request, stop = trees[i], requests[i], start + len(frontier)
+                row_drawn = {j - start: q_j for j, q_j in drawn.items() if start <= j < stop}
                 kept = self.grow(tree, request, frontier, edge_rows[start:stop], tokens[start:stop],
-                                 raws[start:stop] if raws is not None else None, beam, k)  # fmt: skip
+                                 raws[start:stop] if raws is not None else None, beam, k, row_drawn)  # fmt: skip
                 if kept and depths[i] > k + 1:
                     following[i] = (
                         [node for node, _, _ in kept],
@@ -196,6 +201,22 @@ class DraftTreeProposer:
             if state is not None and growing:
                 state = state[torch.tensor(keep, device=device)]
 
+    def draw(
+        self, q: torch.Tensor, q_top: torch.Tensor, x_top: torch.Tensor, requests: list[TreeRequest]
+    ) -> dict[int, torch.Tensor]:
+        """Where the call samples, a frontier node of width one (a tree narrowed to the chain) has its one child
+        drawn from the draft's q, as a chain's token is, rather than the top child: acceptance then tests it against
+        q (:func:`~hf_dspark.decoding.verify.walk`), which keeps Σ min(p, q) of the target's mass instead of
+        p(top). Writes the draws into column 0 of ``x_top``/``q_top`` [F, K] (``q`` [F, V'], ``requests`` each
+        frontier node's). -> {frontier index: its q}."""
+        rows = [j for j, r in enumerate(requests) if r.sample and min(self.top_k, r.top_k or self.top_k) == 1]
+        if not rows:
+            return {}
+        index = torch.tensor(rows, device=q.device)
+        x = torch.multinomial(q[index], 1)[:, 0]
+        x_top[index, 0], q_top[index, 0] = x, q[index, x]
+        return {j: q[j] for j in rows}
+
     def grow(
         self,
         tree: TokenTree,
@@ -206,11 +227,14 @@ class DraftTreeProposer:
         raws: list[float] | None,
         beam: int,
         k: int,
+        drawn: dict[int, torch.Tensor] | None = None,
     ) -> list[tuple[int, int, int]]:
         """One row's depth k + 1: of its ``frontier`` nodes' children (``edges`` [F, K] float64 edge values,
-        ``tokens`` their ids, ``raws`` the confidence of each parent's top child), the ``budget`` most valuable enter
-        ``tree``. -> the children to expand next, best first: (node, parent's index in ``frontier``, child's
-        index), none when the row stops here."""
+        ``tokens`` their ids, ``raws`` the confidence of each parent's top child, ``drawn`` the q [V] of each
+        frontier node whose one child was sampled from it), the ``budget`` most valuable enter ``tree``. -> the
+        children to expand next, best first: (node, parent's index in ``frontier``, child's index), none when the
+        row stops here."""
+        drawn = drawn or {}
         width = min(edges.shape[1], request.top_k or edges.shape[1])
         edges, tokens = edges[:, :width], [row[:width] for row in tokens]
         bases = torch.tensor([1.0 if p < 0 else tree.values[p] for p in frontier], dtype=torch.float64)
@@ -221,7 +245,7 @@ class DraftTreeProposer:
         edge_list, children = edges.tolist(), []
         for flat in best:
             i, j = divmod(flat, width)
-            node = tree.add(frontier[i], tokens[i][j], edge_list[i][j], "draft", top=j == 0)
+            node = tree.add(frontier[i], tokens[i][j], edge_list[i][j], "draft", top=j == 0, probs=drawn.get(i))
             if j == 0 and raws is not None:
                 tree.confidences[node] = raws[i]
             children.append((tree.values[node], node, i, j))

@@ -38,17 +38,23 @@ class TokenTree:
     sources: list[set[str]] = field(default_factory=list)
     index: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
     confidences: dict[int, float] = field(default_factory=dict)  # top draft node -> the head's own c_k (unshifted)
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)  # sampled node -> the q [V] it was drawn from
     drafted: bool = False  # whether the draft added nodes (the round paid for its pass)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int, edge: float, source: str, top: bool = False) -> int:
+    def add(
+        self, parent: int, token: int, edge: float, source: str, top: bool = False, probs: torch.Tensor | None = None
+    ) -> int:
         """Node for ``token`` under ``parent`` (-1: the anchor), valued ``edge`` × the parent's value; a node that
         exists already keeps the larger value (its ancestors are raised to it, so values never grow along a path).
-        -> the node's index."""
+        ``probs``: the distribution q [V] the token was drawn from, when the proposer sampled it (acceptance then
+        tests it against q). -> the node's index."""
         self.drafted = self.drafted or source == "draft"
         node = self.index.get((parent, token))
+        if probs is not None:
+            self.probs[node if node is not None else len(self.tokens)] = probs
         base = 1.0 if parent < 0 else self.values[parent]
         if node is None:
             node = len(self.tokens)
@@ -119,14 +125,24 @@ class VerifiedTree:
     probs: torch.Tensor | None = None
     tree: TokenTree | None = None
     nodes: list[int] = field(default_factory=list)
+    sampled: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> q [V], for a tree's sampled nodes
+    deterministic: set[int] = field(default_factory=set)  # of those slots, the ones another proposer also proposed
 
     @classmethod
     def of(cls, tree: TokenTree, nodes: list[int]) -> VerifiedTree:
-        """``nodes`` of ``tree`` (parents before children) in slots 1..B."""
+        """``nodes`` of ``tree`` (parents before children) in slots 1..B. A chain of sampled nodes alone (one
+        proposer's draws) carries their q as ``probs``; otherwise each sampled node's q is kept by slot."""
         slot_of = {-1: 0, **{node: s + 1 for s, node in enumerate(nodes)}}
         parent_slots = [-1] + [slot_of[tree.parents[node]] for node in nodes]
         tokens = torch.tensor([tree.tokens[node] for node in nodes], dtype=torch.long)
-        return cls(parent_slots, [tree.depths[node] for node in nodes], tokens, tree=tree, nodes=nodes)
+        verified = cls(parent_slots, [tree.depths[node] for node in nodes], tokens, tree=tree, nodes=nodes)
+        sampled = {s: tree.probs[node] for s, node in enumerate(nodes, start=1) if node in tree.probs}
+        also_proposed = {s for s in sampled if len(tree.sources[nodes[s - 1]]) > 1}
+        if sampled and len(sampled) == len(nodes) and not also_proposed and verified.is_chain:
+            verified.probs = torch.stack([sampled[s] for s in range(1, len(nodes) + 1)])
+        elif sampled:
+            verified.sampled, verified.deterministic = sampled, also_proposed
+        return verified
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, probs: torch.Tensor | None = None) -> VerifiedTree:

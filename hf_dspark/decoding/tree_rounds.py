@@ -86,8 +86,8 @@ class TreeSchedule(PricedRounds):
         """Seconds this round's drafting costs the batch: the chain's when it drafts only the chain, else the tree's."""
         return self.chain_drafting if self.chain_round else self.drafting
 
-    def requests(self, state: DecodeState, max_length: int, processors) -> list[TreeRequest]:
-        """One request per generating row."""
+    def requests(self, state: DecodeState, max_length: int, processors, sample: bool = False) -> list[TreeRequest]:
+        """One request per generating row (``sample``: the call samples)."""
         room = state.room(max(self.draft_tokens, self.lookup.max_tokens if self.lookup else 0), max_length)
         draft = not self.backoff.sit_out()
         # a round after a back-off probes whether drafting pays again: with the chain, at the chain's cost
@@ -102,7 +102,7 @@ class TreeSchedule(PricedRounds):
         for r in state.active:
             settled = partial(self.settled, state.size, room[r]) if early else None
             requests.append(TreeRequest(r, state.history(r), state.anchor_positions[r], room[r], self.budget,
-                                        processors, draft, top_k, settled))  # fmt: skip
+                                        processors, draft, top_k, sample, settled))  # fmt: skip
         return requests
 
     def count(self, values: list[float], rows: int, generating: int, drafted: bool) -> tuple[int, bool]:
@@ -254,7 +254,7 @@ def tree_round(call: Call, schedule: TreeSchedule, state: DecodeState) -> None:
     chosen nodes go through the one verify (:func:`~hf_dspark.decoding.verification.verify`: one forward, each
     row's ancestor mask and depth positions, exact walks, both caches keep exactly the accepted paths)."""
     start, outputs = time.perf_counter(), call.outputs
-    requests = schedule.requests(state, call.max_length, call.rules.processors)
+    requests = schedule.requests(state, call.max_length, call.rules.processors, call.rules.do_sample)
     outputs.stats.narrowed_rounds += any(request.draft and request.top_k == 1 for request in requests)
     trees = propose_trees(schedule.proposers, requests)
     chosen = schedule.select(trees, requests, state.size)

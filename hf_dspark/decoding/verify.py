@@ -107,13 +107,48 @@ def walk(
     while True:
         score = process(logits_processor, tokens[None], raw_logits[slot : slot + 1])
         scores.append(score)
-        choice = torch.multinomial(probs(score)[0], 1)[0] if do_sample else score[0].argmax()
-        child = verified.children.get((slot, int(choice)))
+        if do_sample and verified.sampled:
+            child, choice = _rejection_step(verified, slot, probs(score)[0])
+        else:
+            choice = torch.multinomial(probs(score)[0], 1)[0] if do_sample else score[0].argmax()
+            child = verified.children.get((slot, int(choice)))
         if child is None:
             return Walk(path, choice, torch.cat(scores))
         path.append(child)
         tokens = torch.cat([tokens, choice[None]])
         slot = child
+
+
+def _rejection_step(verified: VerifiedTree, slot: int, p: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+    """Sampling at one slot of a tree with sampled children (``verified.sampled``): recursive rejection over its
+    children, p [V] the target's processed distribution there. Each candidate is tested against the residual r
+    (p at first): a deterministic child x is kept with probability r(x) / Σr, and on a rejection r(x) becomes 0; a
+    child x drawn from q is kept with probability min(1, r̂(x) / q(x)) (r̂ = r normalised), and on a rejection r
+    becomes max(0, r̂ - q). With none kept the new token is drawn from r. Every step passes on exactly the law of
+    its residual, so the token this slot commits follows p, whatever the children (deterministic ones first, then
+    the sampled; a node another proposer also proposed is a candidate of each kind). -> (child slot or None, the
+    slot's token)."""
+    kids = [c for c in range(1, verified.size + 1) if verified.parent_slots[c] == slot]
+    if not any(c in verified.sampled for c in kids):  # deterministic children only: p's own draw picks among them
+        choice = torch.multinomial(p, 1)[0]
+        return verified.children.get((slot, int(choice))), choice
+    ids = verified.slot_tokens.tolist()
+    candidates = [(c, None) for c in kids if c not in verified.sampled or c in verified.deterministic]
+    candidates += [(c, verified.sampled[c]) for c in kids if c in verified.sampled]
+    residual = p.clone()
+    for c, q in candidates:
+        x, total = ids[c - 1], residual.sum()
+        if q is None:
+            if bool(torch.rand((), device=p.device, dtype=p.dtype) * total < residual[x]):
+                return c, verified.slot_tokens[c - 1].to(p.device)
+            residual[x] = 0
+            continue
+        target = residual / total
+        if bool(torch.rand((), device=p.device, dtype=p.dtype) * q[x] < target[x]):
+            return c, verified.slot_tokens[c - 1].to(p.device)
+        left = (target - q.to(target)).clamp_min(0)
+        residual = left if bool(left.sum() > 0) else target
+    return None, torch.multinomial(residual, 1)[0]
 
 
 def _chain_scores(tokens, raw_logits, history, logits_processor) -> torch.Tensor:
