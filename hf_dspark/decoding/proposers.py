@@ -166,7 +166,7 @@ class DraftTreeProposer:
             q = torch.softmax(step, dim=-1)
             widest = max(min(self.top_k, requests[i].top_k or self.top_k) for i in growing)
             q_top, x_top = q.topk(min(widest, q.shape[-1]), dim=-1)
-            drawn = self.draw(q, q_top, x_top, [requests[i] for i in owners])
+            drawn = self.draw(q, q_top, x_top, [requests[i] for i in owners]) if requests[0].sample else {}
             if subset:
                 x_top = draft.draft_vocab[x_top]
                 drawn = {j: q.new_zeros(draft.config.vocab_size).index_copy_(0, draft.draft_vocab, q_j)

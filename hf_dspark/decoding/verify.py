@@ -5,12 +5,14 @@ From the anchor, at each slot the target's processed distribution p (given the s
 if any, the walk moves to; at the first slot where it takes none, it draws the round's new token. Greedy: the child
 holding p's argmax. Sampling: a chain's token x drawn from the draft's q (one-hot for a looked-up token) is kept with
 probability min(1, p(x) / q(x)), and after a rejection the new token is drawn from norm(max(0, p - q)); a tree's
-deterministic children are kept when p's own draw is one of them. Either way every committed token follows p, the
-target's processed distribution (temperature, top-k, top-p, …), exactly.
+deterministic children are kept when p's own draw is one of them; a slot with sampled children among others runs
+recursive rejection over all of them. Either way every committed token follows p, the target's processed
+distribution (temperature, top-k, top-p, …), exactly.
 
     walk              the one acceptance: -> the accepted slots, the next token, the processed scores on the path
     greedy_accept     a chain's greedy acceptance, all slots at once
     rejection_sample  a sampled chain's acceptance against q, all slots at once
+    _rejection_step   one slot of a tree with sampled children: recursive rejection
 """
 
 from __future__ import annotations
