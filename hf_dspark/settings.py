@@ -73,6 +73,12 @@ class DecodingConfig:
             first step. Lossless in greedy decoding, where the kept tokens are the target's own choices whatever
             is verified; sampling calls always keep the early stop, which is what keeps them exact (a plan that
             looked past a drop would verify a sampled token according to the token itself).
+        verify_buckets: pad each round's verify block to the next of a few widths (the powers of two below the
+            call's widest block, and that block; for γ = 8 these are 1, 2, 4, 8 and 9 slots a row), so that a
+            call's verify forward runs in a handful of shapes, which capturing it (one CUDA graph a shape) needs.
+            The priced modes then price each width at its bucket's cost, so they fill a bucket they pay for.
+            Lossless (padding is masked and never read); off by default, since padding costs its slots wherever
+            the forward's cost grows with its width (a CPU).
     Lookup drafting (``hf_dspark.decoding.lookup``; off while ``lookup_max_ngram`` is 0):
         lookup_max_ngram, lookup_min_ngram: in a round with one row running, if the row's last n tokens (n from
             ``lookup_max_ngram`` down to ``lookup_min_ngram``) occurred earlier in its history, the tokens that
@@ -99,6 +105,7 @@ class DecodingConfig:
     confidence_recalibration: bool = True
     cost_recalibration: bool = True
     greedy_lookahead: bool = False
+    verify_buckets: bool = False
     lookup_max_ngram: int = 0
     lookup_min_ngram: int = 2
     lookup_max_tokens: int | None = None
@@ -161,6 +168,8 @@ class DecodingConfig:
             raise ValueError(f"cost_recalibration must be True or False, got {self.cost_recalibration!r}")
         if not isinstance(self.greedy_lookahead, bool):
             raise ValueError(f"greedy_lookahead must be True or False, got {self.greedy_lookahead!r}")
+        if not isinstance(self.verify_buckets, bool):
+            raise ValueError(f"verify_buckets must be True or False, got {self.verify_buckets!r}")
         if not (_is_int(self.lookup_max_ngram, 0) and self.lookup_max_ngram <= MAX_LOOKUP_NGRAM):
             raise ValueError(
                 f"lookup_max_ngram must be an int from 0 (off) to {MAX_LOOKUP_NGRAM}, got {self.lookup_max_ngram!r}"

@@ -114,6 +114,7 @@ DECODING_BAD_VALUES = {
     "--confidence-recalibration": (["--confidence-recalibration", "yes"], "must be true or false, got 'yes'"),
     "--cost-recalibration": (["--cost-recalibration", "1"], "argument --cost-recalibration: must be true or false"),
     "--greedy-lookahead": (["--greedy-lookahead", "on"], "argument --greedy-lookahead: must be true or false"),
+    "--verify-buckets": (["--verify-buckets", "pow2"], "argument --verify-buckets: must be true or false"),
     "--lookup": (["--lookup", "65"], "argument --lookup-max-ngram/--lookup: lookup_max_ngram must be an int from 0"),
     "--lookup-min-ngram": (["--lookup", "3", "--lookup-min-ngram", "5"], "lookup_min_ngram must be an int between 1"),
     "--lookup-max-tokens": (

@@ -84,6 +84,7 @@ def test_resolve_applies_overrides_and_resolves_auto_once():
         ({"confidence_recalibration": 1}, "confidence_recalibration must be True or False"),
         ({"greedy_lookahead": "yes"}, "greedy_lookahead must be True or False"),
         ({"cost_recalibration": 0}, "cost_recalibration must be True or False"),
+        ({"verify_buckets": "on"}, "verify_buckets must be True or False"),
         ({"lookup_max_ngram": 2, "lookup_min_ngram": 3}, "lookup_min_ngram must be an int between 1 and"),
         ({"lookup_max_tokens": 0}, "lookup_max_tokens must be an int from 1 to 256"),
         ({"tree_top_k": True}, "tree_top_k must be an int from 1 \\(a chain\\) to 256"),

@@ -17,9 +17,9 @@ import torch
 
 from ..scheduling.backoff import Backoff
 from ..scheduling.modes import choose_lengths, column_plan
-from ..scheduling.policy import ColumnPlan, SPSProfile, drafting_pays
+from ..scheduling.policy import ColumnPlan, SPSProfile, drafting_pays, width_buckets
 from ..scheduling.recalibration import AcceptanceRecalibration
-from ..settings import DecodingConfig
+from ..settings import MAX_VERIFY_WIDTH, DecodingConfig
 from .costs import ObservedRounds, PricedRounds, observed_rounds, premium, round_prices
 from .drafting import Proposal, draft_block
 from .lookup import LookupProposer, one_hot_probs
@@ -92,19 +92,28 @@ class Schedule(PricedRounds):
     lookup: LookupProposer | None = None  # the call's lookup drafting (``lookup_max_ngram`` > 0)
     recalibration: AcceptanceRecalibration | None = None  # priced modes: the head's confidences, shifted per call
     observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
+    buckets: tuple[int, ...] | None = None  # the widths verifies pad to (``verify_buckets``)
 
     def __post_init__(self):
-        self.lookup = LookupProposer.of(self.settings, self.draft_tokens)
-        if self.priced and self.settings.confidence_recalibration:
+        s = self.settings
+        self.lookup = LookupProposer.of(s, self.draft_tokens)
+        if self.priced and s.confidence_recalibration:
             self.recalibration = AcceptanceRecalibration(self.draft_tokens)
+        if s.verify_buckets:  # the widest block: a drafted one, or a lookup continuation
+            limit = s.verify_limit if s.verify_limit is not None else MAX_VERIFY_WIDTH
+            looked_up = min(self.lookup.max_tokens, limit) if self.lookup is not None else 0
+            self.buckets = width_buckets(1 + max(min(self.draft_tokens, limit), looked_up))
 
-    def price(self, call: Call, rows: int) -> None:
-        """Price rounds of ``rows`` batch rows; with measured costs (no ``draft.sps_profile``) and
-        ``cost_recalibration``, also time the call's rounds against those prices
+    def price(self, call: Call, rows: int, measured_rows: int | None = None) -> None:
+        """Price verifies of ``rows`` batch rows (with the profile measured for ``measured_rows``, default
+        ``rows``; each width at its bucket's cost with ``buckets``); with measured costs (no ``draft.sps_profile``)
+        and ``cost_recalibration``, also time the call's rounds against those prices
         (:class:`~hf_dspark.decoding.costs.ObservedRounds`): a drafted round must then beat a plain step by the
         premium they show."""
         if self.priced:
-            self.sps, self.drafting, self.planning = round_prices(call.draft, call.target, rows, call.rules.do_sample)
+            sps, self.drafting, _ = round_prices(call.draft, call.target, measured_rows or rows, call.rules.do_sample)
+            self.sps = sps.bucketed(self.buckets, rows)
+            self.planning = self.sps.plus_seconds(self.drafting)
             self.observed = observed_rounds(self.observed, call.draft, self.settings.cost_recalibration)
 
     def plan(self, state: DecodeState, max_length: int) -> RoundPlan:
@@ -197,7 +206,7 @@ def chain_round(call: Call, schedule: Schedule, state: DecodeState) -> None:
     stats.verify_rounds.append([lengths[r] for r in active])
     rows = row_proposals(plan, proposal, lengths, call.vocab_size, rules.do_sample)
     chains = [VerifiedTree.chain(row.tokens, row.probs) if r in active else None for r, row in enumerate(rows)]
-    walks = verify(call, state, chains)
+    walks = verify(call, state, chains, schedule.buckets)
     accepted = [0 if walk is None else len(walk.slots) for walk in walks]
     for r in active:
         row = rows[r]

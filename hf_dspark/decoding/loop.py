@@ -101,7 +101,7 @@ def dspark_decode(
             rounds.round(call, state)
             if compact and any(state.finished) and state.active:
                 rounds.keep_rows(state.compact())
-                rounds.price(call, profile_rows(state.size, batch))
+                rounds.price(call, state.size, profile_rows(state.size, batch))
     if streamer is not None:
         streamer.end()
     draft.stats = stats  # the last call to finish; its own stats come back on a dict output

@@ -184,14 +184,17 @@ class VerifiedTree:
         return tree_attention_mask([self], cache_mask, dtype)
 
 
-def tree_attention_mask(trees: list[VerifiedTree | None], cache_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The target's 4D additive mask [R, 1, W, S + W] for one verify of each row's tree, padded to W = 1 + the
-    largest B: row r's slots attend to the row's committed cache slots (``cache_mask`` [R, S], 1: holds a committed
-    token) and to their own ancestors in the row's tree; padding slots, and every slot of a row without a tree
-    (``None``: it finished), attend to themselves alone (a row of the mask must allow something). 0 where a slot may
-    attend, the dtype's minimum elsewhere (eager attention adds the mask, SDPA takes a float mask as a bias)."""
+def tree_attention_mask(
+    trees: list[VerifiedTree | None], cache_mask: torch.Tensor, dtype: torch.dtype, width: int | None = None
+) -> torch.Tensor:
+    """The target's 4D additive mask [R, 1, W, S + W] for one verify of each row's tree, padded to W = ``width``
+    (default: 1 + the largest B): row r's slots attend to the row's committed cache slots (``cache_mask`` [R, S],
+    1: holds a committed token) and to their own ancestors in the row's tree; padding slots, and every slot of a
+    row without a tree (``None``: it finished), attend to themselves alone (a row of the mask must allow
+    something). 0 where a slot may attend, the dtype's minimum elsewhere (eager attention adds the mask, SDPA takes
+    a float mask as a bias)."""
     R, S = cache_mask.shape
-    width = 1 + max((tree.size for tree in trees if tree is not None), default=0)
+    width = width or 1 + max((tree.size for tree in trees if tree is not None), default=0)
     allowed = torch.zeros(R, width, S + width, dtype=torch.bool, device=cache_mask.device)
     allowed[:, :, S:] = torch.eye(width, dtype=torch.bool, device=cache_mask.device)
     for r, tree in enumerate(trees):

@@ -18,7 +18,7 @@ import torch
 
 from ..scheduling.backoff import Backoff
 from ..scheduling.modes import choose_tree_nodes
-from ..scheduling.policy import SPSProfile, lookahead_tree_settled, tree_rate
+from ..scheduling.policy import SPSProfile, lookahead_tree_settled, tree_rate, width_buckets
 from ..scheduling.recalibration import AcceptanceRecalibration
 from ..settings import MAX_VERIFY_WIDTH, DecodingConfig
 from .checks import tree_refusal
@@ -64,21 +64,28 @@ class TreeSchedule(PricedRounds):
     narrowing: Backoff = field(default_factory=Backoff)  # drafted rounds that draft the chain instead of the tree
     chain_round: bool = False  # whether this round drafts the chain only (narrowed, or probing after a back-off)
     observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
+    buckets: tuple[int, ...] | None = None  # the widths verifies pad to (``verify_buckets``)
+
+    def __post_init__(self):
+        if self.settings.verify_buckets:
+            self.buckets = width_buckets(1 + self.budget)
 
     @property
     def budget(self) -> int:
         s = self.settings
         return s.verify_limit if s.verify_limit is not None else min(self.draft_tokens * s.tree_top_k, MAX_VERIFY_WIDTH)
 
-    def price(self, call: Call, rows: int) -> None:
-        """Price verifies of ``rows`` batch rows up to the node budget, and a round of tree drafting for them (the
-        rows share the backbone pass: pricing each row at one row's cost overprices a batch's drafting R-fold, and
-        the schedule then backs off from trees a batch would have gained from)."""
-        draft = call.draft
+    def price(self, call: Call, rows: int, measured_rows: int | None = None) -> None:
+        """Price verifies of ``rows`` batch rows up to the node budget (with the profiles measured for
+        ``measured_rows``, default ``rows``; each width at its bucket's cost with ``buckets``), and a round of tree
+        drafting for them (the rows share the backbone pass: pricing each row at one row's cost overprices a
+        batch's drafting R-fold, and the schedule then backs off from trees a batch would have gained from)."""
+        draft, measured = call.draft, measured_rows or rows
         if self.priced:
-            self.sps = sps_profile(draft, call.target, rows, max_width=self.budget + 1)
-            self.drafting = tree_draft_seconds(draft, self.settings.tree_top_k, rows)
-            self.chain_drafting = tree_draft_seconds(draft, 1, rows)
+            sps = sps_profile(draft, call.target, measured, max_width=self.budget + 1)
+            self.sps = sps.bucketed(self.buckets, rows)
+            self.drafting = tree_draft_seconds(draft, self.settings.tree_top_k, measured)
+            self.chain_drafting = tree_draft_seconds(draft, 1, measured)
             self.observed = observed_rounds(self.observed, draft, self.settings.cost_recalibration)
 
     @property
@@ -262,7 +269,7 @@ def tree_round(call: Call, schedule: TreeSchedule, state: DecodeState) -> None:
     for request, tree, nodes in zip(requests, trees, chosen, strict=True):
         verified[request.row] = VerifiedTree.of(tree, nodes)
     outputs.stats.verify_rounds.append([verified[r].size for r in state.active])
-    walks = verify(call, state, verified)
+    walks = verify(call, state, verified, schedule.buckets)
     for request in requests:
         v, result = verified[request.row], walks[request.row]
         edges = schedule.observe(v, result.slots)

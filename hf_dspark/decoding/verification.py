@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..scheduling.policy import bucket_width
 from .checks import check_finite
 from .state import Call, DecodeState, target_forward
 from .tree import VerifiedTree, tree_attention_mask
@@ -31,14 +32,22 @@ class VerifyBlock:
 
 
 def verify_block(
-    state: DecodeState, verified: list[VerifiedTree | None], pad_id: int, dtype: torch.dtype
+    state: DecodeState,
+    verified: list[VerifiedTree | None],
+    pad_id: int,
+    dtype: torch.dtype,
+    buckets: tuple[int, ...] | None = None,
 ) -> VerifyBlock:
-    """The block for ``verified[r]`` (None for a finished row). When every row verifies a chain, positions are the
-    slots' and the mask is the causal one over the cache and the block's valid slots (``None`` without holes: the
-    cheaper path; on a CPU a 4D mask costs about 2 ms a step); otherwise each row's slots sit at their depths and
-    attend to their ancestors (:func:`tree_attention_mask`)."""
+    """The block for ``verified[r]`` (None for a finished row), as wide as the widest row needs or, with
+    ``buckets`` (:func:`~hf_dspark.scheduling.policy.width_buckets`), the bucket that holds it: the one place a
+    verify's width is set. When every row verifies a chain, positions are the slots' and the mask is the causal
+    one over the cache and the block's valid slots (``None`` without holes: the cheaper path; on a CPU a 4D mask
+    costs about 2 ms a step); otherwise each row's slots sit at their depths and attend to their ancestors
+    (:func:`tree_attention_mask`)."""
     R, device = state.size, state.tokens.device
     width = 1 + max(v.size for v in verified if v is not None)
+    if buckets is not None:
+        width = bucket_width(width, buckets)
     tokens = torch.full((R, width), pad_id, dtype=torch.long, device=device)
     valid = torch.zeros(R, width, dtype=torch.bool, device=device)
     for r, v in enumerate(verified):
@@ -51,15 +60,17 @@ def verify_block(
         return VerifyBlock(tokens, valid, positions, state.attention_mask(valid))
     depths = [[0, *v.slot_depths] + [0] * (width - 1 - v.size) if v is not None else [0] * width for v in verified]
     positions = state.anchor_positions[:, None] + torch.tensor(depths, device=device)
-    return VerifyBlock(tokens, valid, positions, tree_attention_mask(verified, state.cache_mask, dtype))
+    return VerifyBlock(tokens, valid, positions, tree_attention_mask(verified, state.cache_mask, dtype, width))
 
 
-def verify(call: Call, state: DecodeState, verified: list[VerifiedTree | None]) -> list[Walk | None]:
-    """Verify every row's candidates in one target forward, walk each active row's accepted path exactly, commit
-    it (token by token against the stopping criteria, streamed) and keep exactly those paths in both caches.
-    -> each row's :class:`Walk` (None for a row that was already finished)."""
+def verify(
+    call: Call, state: DecodeState, verified: list[VerifiedTree | None], buckets: tuple[int, ...] | None = None
+) -> list[Walk | None]:
+    """Verify every row's candidates in one target forward (its width padded to ``buckets`` when given), walk each
+    active row's accepted path exactly, commit it (token by token against the stopping criteria, streamed) and keep
+    exactly those paths in both caches. -> each row's :class:`Walk` (None for a row that was already finished)."""
     rules, outputs = call.rules, call.outputs
-    block = verify_block(state, verified, call.pad_id, call.target.dtype)
+    block = verify_block(state, verified, call.pad_id, call.target.dtype, buckets)
     out, fused = target_forward(call.target, block.tokens, block.positions, block.mask, call.cache, call.tap)
     raw = out.logits.float() if out.logits.dtype != torch.float64 else out.logits
     check_finite(raw, block.valid)  # one check (one sync on a GPU) for the whole block

@@ -85,6 +85,33 @@ class SPSProfile:
             raise ValueError(f"extra seconds per step must be finite and >= 0, got {seconds}")
         return self if seconds == 0 else SPSProfile.from_callable(lambda B: 1.0 / (1.0 / self(B) + seconds))
 
+    def bucketed(self, buckets: tuple[int, ...] | None, rows: int) -> SPSProfile:
+        """The profile of a verify of ``rows`` rows padded to ``buckets`` (:func:`width_buckets`): B tokens verify
+        as ``rows`` rows of the bucket holding ⌈B / rows⌉ slots, so every width within a bucket costs the bucket's
+        step (the schedulers then fill a bucket they pay for). ``self`` when ``buckets`` is None."""
+        if buckets is None:
+            return self
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        return SPSProfile.from_callable(lambda B: self(rows * bucket_width(-(-B // rows), buckets)))
+
+
+def width_buckets(widest: int) -> tuple[int, ...]:
+    """The verify widths (slots a row: anchor + candidates) a call whose widest block is ``widest`` slots pads
+    to: the powers of two below it, and ``widest`` itself (γ = 8: 1, 2, 4, 8, 9). A few shapes per call, which
+    is what capturing the verify forward (a CUDA graph per shape) needs, for at most twice the slots."""
+    if widest < 1:
+        raise ValueError(f"the widest verify must be >= 1 slot, got {widest}")
+    return (*(1 << i for i in range((widest - 1).bit_length()) if 1 << i < widest), widest)
+
+
+def bucket_width(width: int, buckets: tuple[int, ...]) -> int:
+    """The smallest of ``buckets`` (ascending) that holds ``width`` slots; ``ValueError`` past the widest."""
+    for bucket in buckets:
+        if bucket >= width:
+            return bucket
+    raise ValueError(f"a verify of {width} slots is wider than the call's widest bucket ({buckets[-1]})")
+
 
 def _check_confidences(confidences: torch.Tensor) -> torch.Tensor:
     if not isinstance(confidences, torch.Tensor):
