@@ -62,7 +62,7 @@ class DecodingConfig:
             acceptance observed in that call's own earlier rounds (``hf_dspark.scheduling.recalibration``).
         cost_recalibration: (``scheduled``/``async`` with measured costs; no ``draft.sps_profile`` set) time each
             round against its price and ask a drafted round to beat a plain step by the premium drafted rounds
-            showed over plain ones in that call (``hf_dspark.decoding.costs.ObservedRounds``). Greedy calls only:
+            showed over plain ones in that call (``hf_dspark.scheduling.observed.ObservedRounds``). Greedy calls only:
             the output is the same whatever is verified, while a sampling call whose rounds followed wall time
             would draw other random numbers and lose its seeded reproducibility. Two greedy calls may then verify
             differently (their stats differ, never their tokens).

@@ -11,6 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_dspark
 from hf_dspark import DSparkDraftModel
 from hf_dspark.decoding import chain, costs, drafting
+from hf_dspark.scheduling import chains
 from hf_dspark.testing import tiny_target
 
 
@@ -290,7 +291,7 @@ def test_rounds_that_do_not_draft_queue_their_context_for_the_next_drafted_block
     draft = DSparkDraftModel.from_target(target, block_size=4).double()
     draft.sps_profile = SPSProfile.from_callable(lambda B: 1.0)  # verifying is free: every drafted round verifies all
     monkeypatch.setattr(costs, "draft_seconds", lambda draft, rows, do_sample=False: 0.0)
-    monkeypatch.setattr(chain, "drafting_pays", lambda *args: False)  # back off after every drafted round
+    monkeypatch.setattr(chains, "drafting_pays", lambda *args: False)  # back off after every drafted round
     projected = []
     original = draft.fused_key_values
     monkeypatch.setattr(draft, "fused_key_values", lambda f, p: projected.append(f.shape[1]) or original(f, p))
@@ -546,8 +547,8 @@ def test_greedy_lookahead_verifies_past_a_drop_and_stays_plain_greedy(monkeypatc
         verified[lookahead] = sum(draft.stats.proposed)
     assert verified[True] > verified[False]
     planned = []
-    original = chain.column_plan
-    monkeypatch.setattr(chain, "column_plan", lambda *a: planned.append(a[-1]) or original(*a))
+    original = chains.column_plan
+    monkeypatch.setattr(chains, "column_plan", lambda *a: planned.append(a[-1]) or original(*a))
     target.generate(ids, max_new_tokens=6, do_sample=True, custom_generate=hf_dspark.dspark_generate, draft=draft,
                     verify_mode="scheduled", greedy_lookahead=True)  # fmt: skip
     assert planned and not any(planned)

@@ -1004,7 +1004,7 @@ def test_a_drafted_round_must_beat_a_plain_step_by_the_premium_the_call_observed
     that ran at 1.8x its price while plain rounds ran at theirs must beat a plain step by that factor, so a round
     worth 1.5x a plain step by the profile backs off; a profile the user set is taken as it is."""
     from hf_dspark.decoding import tree_rounds
-    from hf_dspark.decoding.costs import ObservedRounds
+    from hf_dspark.scheduling.observed import ObservedRounds
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
 

@@ -151,14 +151,17 @@ def test_priced_schedules_price_each_width_at_its_bucket(monkeypatch):
     monkeypatch.setattr(chain, "round_prices", round_prices)
     call = SimpleNamespace(draft=SimpleNamespace(sps_profile=None), target=None, rules=SimpleNamespace(do_sample=False))
     settings = DecodingConfig(verify_mode="scheduled", verify_buckets=True, cost_recalibration=False)
-    schedule = chain.Schedule(settings, 8)
-    assert schedule.buckets == (1, 2, 4, 8, 9)
-    schedule.price(call, 3, 4)
+    rounds = chain.ChainRounds(settings, 8)
+    schedule = rounds.schedule
+    assert rounds.buckets == schedule.buckets == (1, 2, 4, 8, 9)
+    rounds.price(call, 3, 4)
     assert asked == [4] and schedule.sps(3 * 5) == sps(3 * 8) and schedule.sps(3 * 9) == sps(3 * 9)
     assert schedule.planning(3 * 3) == pytest.approx(1 / (1 / sps(3 * 4) + 0.01))
-    plain = chain.Schedule(DecodingConfig(verify_mode="scheduled", cost_recalibration=False), 8)
+    plain = chain.ChainRounds(DecodingConfig(verify_mode="scheduled", cost_recalibration=False), 8)
     plain.price(call, 3)
-    assert plain.buckets is None and plain.sps is sps
+    assert plain.buckets is None and plain.schedule.sps is sps
+    looked_up = chain.ChainRounds(settings.replace(lookup_max_ngram=2, lookup_max_tokens=20, verify_limit=12), 8)
+    assert looked_up.buckets == (1, 2, 4, 8, 13)  # a continuation may be wider than a block, within the limit
 
     monkeypatch.setattr(tree_rounds, "sps_profile", lambda draft, target, rows, max_width: sps)
     monkeypatch.setattr(tree_rounds, "tree_draft_seconds", lambda draft, top_k, rows: 0.01 * top_k)

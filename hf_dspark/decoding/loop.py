@@ -22,7 +22,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..model.modeling_dspark import DSparkDraftModel
 from ..settings import DecodingConfig
-from .chain import Schedule
+from .chain import ChainRounds
 from .checks import check_cache, check_settings_fit, check_supported
 from .costs import PricedRounds, profile_rows
 from .drafting import LayerTap
@@ -56,7 +56,7 @@ def schedule(call: Call, settings: DecodingConfig, state: DecodeState) -> Priced
     them (else the reason is in the stats), chains otherwise."""
     draft, stats = call.draft, call.outputs.stats
     rounds = tree_schedule(draft, call.target, call.cache, settings, stats, state.context)
-    rounds = rounds or Schedule(settings, draft.config.num_draft_tokens)
+    rounds = rounds or ChainRounds(settings, draft.config.num_draft_tokens)
     rounds.price(call, state.size)
     return rounds
 

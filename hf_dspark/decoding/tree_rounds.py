@@ -18,11 +18,12 @@ import torch
 
 from ..scheduling.backoff import Backoff
 from ..scheduling.modes import choose_tree_nodes
+from ..scheduling.observed import ObservedRounds, premium
 from ..scheduling.policy import SPSProfile, lookahead_tree_settled, tree_rate, width_buckets
 from ..scheduling.recalibration import AcceptanceRecalibration
 from ..settings import MAX_VERIFY_WIDTH, DecodingConfig
 from .checks import tree_refusal
-from .costs import ObservedRounds, PricedRounds, observed_rounds, premium, sps_profile, tree_draft_seconds
+from .costs import PricedRounds, observed_rounds, sps_profile, tree_draft_seconds
 from .drafting import DraftContext
 from .lookup import LookupProposer
 from .proposers import TreeRequest, propose_trees, tree_proposers
@@ -50,7 +51,7 @@ class TreeSchedule(PricedRounds):
     (``narrowing``: a back-off, reset by a tree round worth more than its chain): under load a batch's trees
     shrink to chains, and so does their drafting cost. With measured costs (no ``draft.sps_profile`` set) and
     ``cost_recalibration``, a drafted round must beat a plain step by the premium the call's own rounds showed
-    (:class:`~hf_dspark.decoding.costs.ObservedRounds`)."""
+    (:class:`~hf_dspark.scheduling.observed.ObservedRounds`)."""
 
     settings: DecodingConfig
     draft_tokens: int

@@ -307,7 +307,7 @@ def drafting_pays(
     premium: float = 1.0,
 ) -> bool:
     """Whether a drafted round beats a plain decoding step, in expectation, by ``premium`` (what drafted rounds
-    were seen to cost over their price relative to plain ones: :class:`~hf_dspark.decoding.costs.ObservedRounds`):
+    were seen to cost over their price relative to plain ones: :class:`~hf_dspark.scheduling.observed.ObservedRounds`):
     confidences [A, γ] and the planned ``lengths`` [A] of the A rows still generating, in a padded verify of
     ``rows`` batch rows. A drafted round commits Σ_r (1 + Σ_{j ≤ ℓ_r} a_{r,j}) tokens (a = prefix survival) in
     ``draft_seconds`` + 1 / SPS(rows·(1 + max ℓ)) seconds; a plain step commits A tokens in 1 / SPS(rows) seconds.
@@ -364,7 +364,7 @@ def priced_tree_count(
     the first non-improvement (the early stop keeps the choice from depending on nodes below a rejected one).
     -> (count, whether drafting paid: the plan's expected rate beats a plain step's, ``sps(rows)``, times
     ``premium`` (what a drafted round was seen to cost over its price, relative to a plain one;
-    :class:`~hf_dspark.decoding.costs.ObservedRounds`) with at least one node).
+    :class:`~hf_dspark.scheduling.observed.ObservedRounds`) with at least one node).
 
     A batch of ``rows`` rows, ``generating`` of them still generating, verifies [rows, 1 + B] slots: ``values[i]``
     is then the sum over the generating rows of their (i + 1)-th best node's value, τ starts at ``generating`` (each

@@ -1,0 +1,112 @@
+"""The chain schedule: how many draft tokens each row verifies, round after round, and when not to draft.
+
+It is the state a call's chain rounds carry between them (the round itself is ``hf_dspark.decoding.chain``):
+the prices it was given, the last rounds' confidences (the asynchronous mode sizes a round from the one two
+rounds back), the back-off from drafting, the per-call recalibration and the rounds' wall time against their
+prices. Like the rest of this package it reads numbers only: the round hands it each row's cap, the draft's
+confidences and what the rows accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .backoff import Backoff
+from .modes import PRICED_MODES, choose_lengths, column_plan
+from .observed import ObservedRounds, premium
+from .policy import ColumnPlan, SPSProfile, drafting_pays
+from .recalibration import AcceptanceRecalibration
+
+
+@dataclass
+class ChainSchedule:
+    """How many draft tokens each row verifies (verify ``mode`` with its ``layout``, ``threshold`` and greedy
+    ``lookahead``), and when not to draft: when a drafted round was not worth its cost in expectation
+    (:func:`drafting_pays`: the tokens its plan expected per second of drafting + verifying, against a plain step
+    by the call's observed premium), the next rounds do not draft (``backoff``: doubling, reset by a drafted round
+    that pays). Those rounds are plain decode steps through the same verify, so the output is unchanged."""
+
+    mode: str
+    layout: str
+    threshold: float
+    lookahead: bool
+    recalibration: AcceptanceRecalibration | None = None  # priced modes: the head's confidences, shifted per call
+    buckets: tuple[int, ...] | None = None  # the widths verifies pad to: each width is priced at its bucket's
+    sps: SPSProfile | None = None  # the target's verify steps per second (priced modes)
+    drafting: float = 0.0  # seconds of one draft block
+    planning: SPSProfile | None = None  # ``sps`` with the draft block's cost added to every step
+    confidences: list[torch.Tensor] = field(default_factory=list)  # the last two drafted rounds' (async: the older)
+    backoff: Backoff = field(default_factory=Backoff)  # rounds that do not draft after a round that did not pay
+    observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
+
+    @property
+    def priced(self) -> bool:
+        return self.mode in PRICED_MODES
+
+    def set_prices(self, sps: SPSProfile, drafting: float, rows: int) -> None:
+        """Price verifies of ``rows`` batch rows with ``sps`` (each width at its bucket's cost) and a draft block at
+        ``drafting`` seconds."""
+        self.sps = sps.bucketed(self.buckets, rows)
+        self.drafting = drafting
+        self.planning = self.sps.plus_seconds(drafting)
+
+    def caps(self, room: list[int], looked_up: dict[int, int]) -> list[int]:
+        """Draft tokens each row may verify this round (``room`` [R]: its room; ``looked_up``: {row: continuation
+        length} for rows that verify a lookup instead): 0 for looked-up rows, and for all in a round backed off."""
+        sits_out = self.backoff.sit_out()
+        return [0 if sits_out or r in looked_up else room[r] for r in range(len(room))]
+
+    def planner(self, caps: list[int]) -> ColumnPlan | None:
+        """The mode's column plan for rows capped at ``caps`` (drafting may stop where it closes), or ``None`` when
+        it chooses from the whole block."""
+        return column_plan(
+            self.mode, self.layout, caps, self.planning, self.threshold, self.recalibration, self.lookahead
+        )
+
+    def lengths(
+        self,
+        caps: list[int],
+        planner: ColumnPlan | None,
+        confidences: torch.Tensor | None,
+        active: list[int],
+        looked_up: dict[int, int],
+    ) -> list[int]:
+        """Tokens each of the R rows verifies: the ``planner``'s (closed while drafting), or chosen now from the
+        draft's ``confidences`` [R, ℓ] (None, or ℓ = 0: a round that did not draft) within ``caps`` [R]; a
+        looked-up row its whole continuation. Records the round's price and sets the back-off from what the
+        drafted ``active`` rows' plan expected."""
+        rows = len(caps)
+        if planner is not None:
+            lengths = planner.lengths
+        else:
+            lengths = choose_lengths(self.mode, confidences, caps, self.confidences, self.planning, self.threshold,
+                                     self.layout, self.recalibration)  # fmt: skip
+        drafted_round = confidences is not None and confidences.shape[1] > 0
+        if self.observed is not None:
+            width = 1 + max([lengths[r] for r in active] + list(looked_up.values()))
+            self.observed.expect(drafted_round, 1 / self.sps(rows * width) + self.drafting * drafted_round)
+        if drafted_round:
+            shifted = confidences if self.recalibration is None else self.recalibration.apply(confidences)
+            self.confidences = [*self.confidences[-1:], shifted.cpu()]
+            if self.priced:
+                drafted = [r for r in active if r not in looked_up]
+                pays = drafting_pays(self.confidences[-1][drafted], [lengths[r] for r in drafted], rows, self.sps,
+                                     self.drafting, premium(self.observed))  # fmt: skip
+                self.backoff.judge(pays)
+        for r, length in looked_up.items():
+            lengths[r] = length
+        return lengths
+
+    def observe(self, confidences: list[list[float] | None], accepted: list[int]) -> None:
+        """After a verify: each drafted row's ``confidences`` (None for a looked-up or finished row) against the
+        candidates it ``accepted`` feed the recalibration."""
+        if self.recalibration is not None:
+            for row, n in zip(confidences, accepted, strict=True):
+                if row:
+                    self.recalibration.observe(row, n)
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` [R'] of the remembered confidences (after the batch shrank)."""
+        self.confidences = [c[index.cpu()] for c in self.confidences]
