@@ -27,9 +27,10 @@ import torch
 
 import hf_dspark
 from hf_dspark import DSparkDraftModel
-from hf_dspark.decoding import chain, loop, state, tree_rounds
+from hf_dspark.decoding import chain, loop, state, tree_rounds, verification
 from hf_dspark.embedded import DRAFT_DIR, load_target
 from hf_dspark.evaluation.evaluate import chat_ids, load_prompts
+from hf_dspark.scheduling.trees import TreeSchedule
 
 from .pinned_costs import pin_costs
 
@@ -38,8 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMED = {
     loop: ["prefill"],
     state: ["target_forward"],
-    chain: ["target_forward", "draft_block"],
-    tree_rounds: ["target_forward", "propose_trees"],
+    verification: ["target_forward"],
+    chain: ["draft_block"],
+    tree_rounds: ["propose_trees"],
     state.DecodeState: ["keep_paths"],
 }
 NAMES = list(dict.fromkeys(name for names in TIMED.values() for name in names))
@@ -83,7 +85,7 @@ def main() -> None:
     methods = {"chain": {"tree_top_k": 1}, f"tree{args.top_k}": tree, f"tree{args.top_k}-whole": {**tree, "whole": 1}}
     spent: Counter = Counter()
     timers(spent)
-    head, settled = draft.sequential_head, tree_rounds.TreeSchedule.settled
+    head, settled = draft.sequential_head, TreeSchedule.settled
     real_step = head.step
 
     def counted_step(*args, **kwargs):
@@ -94,7 +96,7 @@ def main() -> None:
 
     def run(ids, max_new_tokens, settings):
         settings = dict(settings)
-        tree_rounds.TreeSchedule.settled = (lambda *a: False) if settings.pop("whole", 0) else settled
+        TreeSchedule.settled = (lambda *a: False) if settings.pop("whole", 0) else settled
         return target.generate(ids, custom_generate=hf_dspark.dspark_generate, draft=draft, verify_mode="scheduled",
                                max_new_tokens=max_new_tokens, do_sample=False, **settings)  # fmt: skip
 

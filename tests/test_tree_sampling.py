@@ -162,7 +162,7 @@ def test_a_tree_narrowed_to_the_chain_samples_its_child_and_stays_exact(small_ta
     still follow the target, and the draws were tested against their q."""
     from hf_dspark.decoding import tree_rounds, verify
 
-    real_requests, tested = tree_rounds.TreeSchedule.requests, []
+    real_requests, tested = tree_rounds.TreeRounds.requests, []
 
     def narrowed(self, *args, **kwargs):
         requests = real_requests(self, *args, **kwargs)
@@ -171,7 +171,7 @@ def test_a_tree_narrowed_to_the_chain_samples_its_child_and_stays_exact(small_ta
         return requests
 
     real_rejection = verify.rejection_sample
-    monkeypatch.setattr(tree_rounds.TreeSchedule, "requests", narrowed)
+    monkeypatch.setattr(tree_rounds.TreeRounds, "requests", narrowed)
     monkeypatch.setattr(verify, "rejection_sample", lambda *a, **k: tested.append(1) or real_rejection(*a, **k))
     kw = CASES["temperature"]
     draft = _sampling_draft(small_target)

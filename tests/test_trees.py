@@ -1,6 +1,7 @@
 """Token trees: the tree's bookkeeping, its verify mask, exact acceptance (greedy = plain token for token, sampling
 checked by chi-square), branches that the chain cannot accept, and the fallbacks to chains, named."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from hf_dspark.decoding import checks
 from hf_dspark.decoding.state import DecodeState
 from hf_dspark.decoding.tree import TokenTree, VerifiedTree
 from hf_dspark.decoding.verify import walk
+from hf_dspark.scheduling import trees as tree_scheduling
 from hf_dspark.testing import tiny_target
 
 
@@ -28,6 +30,16 @@ def _tree() -> TokenTree:
     tree.add(a, 8, 0.2 / 0.6, "draft")
     tree.add(b, 9, 0.9, "draft", top=True)
     return tree
+
+
+def _tree_rounds(settings, draft_tokens: int, **prices):
+    """A call's tree rounds with no proposers, its schedule priced as given (``sps``, ``drafting``,
+    ``chain_drafting``, ``observed``), as ``price`` would set them."""
+    from hf_dspark.decoding.tree_rounds import TreeRounds
+
+    rounds = TreeRounds(settings, draft_tokens, [], None)
+    rounds.schedule = dataclasses.replace(rounds.schedule, **prices)
+    return rounds
 
 
 def test_tree_values_multiply_along_paths_and_ranking_keeps_parents_first():
@@ -451,22 +463,22 @@ def test_a_row_with_a_lookup_continuation_is_drafted_only_when_merging(monkeypat
 def test_the_scheduler_prices_drafting_only_for_rows_that_drafted(monkeypatch):
     """A round's drafting cost is charged per row whose tree holds draft nodes (a lookup-only row drafted nothing),
     and only a round that drafted moves the back-off."""
-    from hf_dspark.decoding import tree_rounds
     from hf_dspark.decoding.proposers import TreeRequest
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
 
     charged = []
-    monkeypatch.setattr(tree_rounds, "choose_tree_nodes", lambda *a: charged.append(a[4]) or (1, False))
-    schedule = tree_rounds.TreeSchedule(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 4, [], None,
+    monkeypatch.setattr(tree_scheduling, "choose_tree_nodes", lambda *a: charged.append(a[4]) or (1, False))
+    rounds = _tree_rounds(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 4,
                                  sps=SPSProfile.from_callable(lambda B: 1.0), drafting=0.01)  # fmt: skip
+    schedule = rounds.schedule
     drafted, looked_up = TokenTree(), TokenTree()
     drafted.add(-1, 5, 0.6, "draft", top=True)
     looked_up.add_path([7, 8], [0.5, 0.5], "lookup")
     request = TreeRequest(0, torch.tensor([1, 2]), torch.tensor(2), 4, 8, LogitsProcessorList())
-    schedule.select([drafted, looked_up], [request, request], 2)
+    rounds.select([drafted, looked_up], [request, request], 2)
     assert charged == [pytest.approx(0.01)] and schedule.backoff.length == 1  # one row drafted; not worth it: back off
-    schedule.select([looked_up, looked_up], [request, request], 2)
+    rounds.select([looked_up, looked_up], [request, request], 2)
     assert charged[-1] == 0.0 and schedule.backoff.length == 1  # nothing drafted: no cost, the back-off stays
 
 
@@ -474,20 +486,19 @@ def test_one_rows_lookup_continuation_alone_is_verified_whole():
     """A round whose one row's tree is a lookup continuation alone (nothing drafted) verifies all of it, as the chain
     route verifies a looked-up continuation, where Algorithm 1 over the per-token lookup rate would cut it; a drafted
     tree and a batch's lookups keep the scheduler's count."""
-    from hf_dspark.decoding import tree_rounds
     from hf_dspark.decoding.proposers import TreeRequest
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
 
     steep = SPSProfile.from_callable(lambda B: 1 / (1 + 0.5 * (B - 1)))  # each slot adds half a plain step
-    schedule = tree_rounds.TreeSchedule(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 8, [], None, sps=steep)
+    rounds = _tree_rounds(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 8, sps=steep)
     request = TreeRequest(0, torch.tensor([1, 2]), torch.tensor(2), 8, 8, LogitsProcessorList())
     looked_up, drafted = TokenTree(), TokenTree()
     looked_up.add_path([7, 8, 9, 10, 11], [0.3] * 5, "lookup")
     drafted.add_path([7, 8, 9, 10, 11], [0.3] * 5, "draft")
-    assert [len(nodes) for nodes in schedule.select([looked_up], [request], 1)] == [5]
-    assert schedule.select([drafted], [request], 1) == [[]]  # 0.3 a node does not pay half a step
-    assert schedule.select([looked_up, looked_up], [request, request], 2) == [[], []]
+    assert [len(nodes) for nodes in rounds.select([looked_up], [request], 1)] == [5]
+    assert rounds.select([drafted], [request], 1) == [[]]  # 0.3 a node does not pay half a step
+    assert rounds.select([looked_up, looked_up], [request, request], 2) == [[], []]
 
 
 def test_sliding_window_targets_verify_chains_and_say_so():
@@ -566,13 +577,13 @@ def test_size_settings_are_refused_before_anything_is_measured(settings, message
 
 
 def test_a_trees_default_node_budget_is_clamped_to_the_widest_verify():
-    from hf_dspark.decoding.tree_rounds import TreeSchedule
+    from hf_dspark.decoding.tree_rounds import TreeRounds
     from hf_dspark.settings import MAX_VERIFY_WIDTH, DecodingConfig
 
-    wide = TreeSchedule(DecodingConfig(tree_top_k=200), draft_tokens=8, proposers=[], lookup=None)
-    assert wide.budget == MAX_VERIFY_WIDTH == 256  # γ · k = 1,600 nodes, clamped
-    assert TreeSchedule(DecodingConfig(tree_top_k=4), 8, [], None).budget == 32  # below it: γ · k
-    assert TreeSchedule(DecodingConfig(tree_top_k=200, verify_limit=40), 8, [], None).budget == 40
+    wide = TreeRounds(DecodingConfig(tree_top_k=200), draft_tokens=8, proposers=[], lookup=None)
+    assert wide.budget == wide.schedule.budget == MAX_VERIFY_WIDTH == 256  # γ · k = 1,600 nodes, clamped
+    assert TreeRounds(DecodingConfig(tree_top_k=4), 8, [], None).schedule.budget == 32  # below it: γ · k
+    assert TreeRounds(DecodingConfig(tree_top_k=200, verify_limit=40), 8, [], None).schedule.budget == 40
 
 
 @pytest.mark.parametrize("head", ["markov", "rnn"])
@@ -680,7 +691,6 @@ def test_expansion_stops_once_the_schedule_cannot_change_its_choice(mode):
     from functools import partial
 
     from hf_dspark.decoding.proposers import TreeRequest
-    from hf_dspark.decoding.tree_rounds import TreeSchedule
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
 
@@ -700,12 +710,13 @@ def test_expansion_stops_once_the_schedule_cannot_change_its_choice(mode):
     cases = [(k, threshold, sps) for k in (2, 3, 4) for threshold in (0.3, 0.1) for sps in profiles for _ in (0, 1)]
     for seed, (top_k, threshold, sps) in enumerate(cases):
         settings = DecodingConfig(verify_mode=mode, tree_top_k=top_k, verify_limit=24, confidence_threshold=threshold)
-        schedule = TreeSchedule(settings, 6, [], None, sps=SPSProfile.from_callable(sps), drafting=0.02)
+        rounds = _tree_rounds(settings, 6, sps=SPSProfile.from_callable(sps), drafting=0.02)
+        schedule = rounds.schedule
         request = TreeRequest(0, torch.tensor([7, 8, 9]), torch.tensor(6), 5, 24, LogitsProcessorList())
         whole = drafted(seed, top_k)
         early = drafted(seed, top_k, partial(schedule.settled, 1, 5))
-        chosen = schedule.select([whole], [request], 1)[0]
-        assert paths(early, schedule.select([early], [request], 1)[0]) == paths(whole, chosen)
+        chosen = rounds.select([whole], [request], 1)[0]
+        assert paths(early, rounds.select([early], [request], 1)[0]) == paths(whole, chosen)
         assert set(paths(early, range(len(early)))) <= set(paths(whole, range(len(whole))))
         smaller += len(early) < len(whole)
     assert smaller >= 3
@@ -719,7 +730,6 @@ def test_a_settled_choice_holds_whatever_deeper_nodes_join():
     import random
 
     from hf_dspark.decoding.proposers import TreeRequest
-    from hf_dspark.decoding.tree_rounds import TreeSchedule
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
 
@@ -738,16 +748,17 @@ def test_a_settled_choice_holds_whatever_deeper_nodes_join():
                                   greedy_lookahead=kind == "lookahead")  # fmt: skip
         steps = rng.choice([1, 4, 8]) if kind == "lookahead" else 1  # slots in buckets that cost the same
         sps = SPSProfile.from_callable(lambda B, a=slope, w=steps: 1 / (1 + a * w * ((B + w - 1) // w)))
-        schedule = TreeSchedule(settings, 8, [], None, sps=sps, drafting=drafting)
+        rounds = _tree_rounds(settings, 8, sps=sps, drafting=drafting)
+        schedule = rounds.schedule
         bound, depth = max(tree.values[n] for n in frontier), max(tree.depths)
         if not schedule.settled(1, 8, tree, bound, depth):
             continue
         settled_count[kind] += 1
-        before = [(tree.tokens[n], tree.depths[n], tree.values[n]) for n in schedule.select([tree], [request], 1)[0]]
+        before = [(tree.tokens[n], tree.depths[n], tree.values[n]) for n in rounds.select([tree], [request], 1)[0]]
         for parent in frontier:  # the deepest values a later level could bring: the parent's own (edge 1) and below
             for edge in (1.0, 0.99999, rng.random()):
                 tree.add(parent, 100 + len(tree), edge, "draft")
-        after = [(tree.tokens[n], tree.depths[n], tree.values[n]) for n in schedule.select([tree], [request], 1)[0]]
+        after = [(tree.tokens[n], tree.depths[n], tree.values[n]) for n in rounds.select([tree], [request], 1)[0]]
         assert after == before
     assert min(settled_count.values()) >= 5
 
@@ -787,7 +798,6 @@ def test_a_batch_prices_its_tree_drafting_once_a_round():
     the schedule's count is Algorithm 1's over the summed values with that cost, and a round that one row's cost
     times R would have called a loss (backing off from drafting) is kept."""
     from hf_dspark.decoding.proposers import TreeRequest
-    from hf_dspark.decoding.tree_rounds import TreeSchedule
     from hf_dspark.scheduling.modes import choose_tree_nodes
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
@@ -803,11 +813,12 @@ def test_a_batch_prices_its_tree_drafting_once_a_round():
         trees.append(tree)
         requests.append(TreeRequest(r, torch.tensor([5]), torch.tensor(1), 4, 8, LogitsProcessorList()))
     drafting = 0.02  # the whole batch's round
-    schedule = TreeSchedule(settings, 4, [], None, sps=sps, drafting=drafting)
+    rounds = _tree_rounds(settings, 4, sps=sps, drafting=drafting)
+    schedule = rounds.schedule
     summed = [4 * v for v in (0.6, 0.42, 0.3)]
     want, pays = choose_tree_nodes("scheduled", summed, sps, 0.5, drafting, 4, 4)
     assert want == 3 and pays
-    chosen = schedule.select(trees, requests, 4)
+    chosen = rounds.select(trees, requests, 4)
     assert [len(nodes) for nodes in chosen] == [3] * 4 and schedule.backoff.left == 0
     assert choose_tree_nodes("scheduled", summed, sps, 0.5, 4 * drafting, 4, 4)[1] is False  # R-fold: a "loss"
 
@@ -912,14 +923,14 @@ def test_a_round_whose_chain_beats_its_tree_narrows_the_next_rounds():
     (at the chain's drafting cost) has the better Θ, the next drafted rounds ask for one child per node and are
     priced at the chain's cost; the narrowing doubles while chains keep winning, skips no plain step, and is reset
     by a round where the tree is worth its cost."""
-    from hf_dspark.decoding.tree_rounds import TreeSchedule
     from hf_dspark.scheduling.modes import choose_tree_nodes
     from hf_dspark.scheduling.policy import SPSProfile, tree_rate
     from hf_dspark.settings import DecodingConfig
 
     sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))
     settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
-    schedule = TreeSchedule(settings, 4, [], None, sps=sps, drafting=0.03, chain_drafting=0.01)
+    rounds = _tree_rounds(settings, 4, sps=sps, drafting=0.03, chain_drafting=0.01)
+    schedule = rounds.schedule
     trees, requests = _two_branch_trees(4, 0.05)
     ranked = [4 * v for v in (0.9, 0.81, 0.05)]
     tree_count = choose_tree_nodes("scheduled", ranked, sps, 0.5, 0.03, 4, 4)[0]
@@ -931,19 +942,19 @@ def test_a_round_whose_chain_beats_its_tree_narrows_the_next_rounds():
         room=lambda limit, max_length: [4] * 4,
     )  # fmt: skip
 
-    schedule.select(trees, requests, 4)
+    rounds.select(trees, requests, 4)
     assert (schedule.narrowing.left, schedule.narrowing.length, schedule.backoff.left) == (1, 1, 0)
-    narrowed = schedule.requests(state, 100, LogitsProcessorList())
+    narrowed = rounds.requests(state, 100, LogitsProcessorList())
     assert [r.top_k for r in narrowed] == [1] * 4 and all(r.draft for r in narrowed)
     assert schedule.round_drafting == 0.01
-    schedule.select(*_two_branch_trees(4, 0.05), 4)  # the narrowed round (its tree as drafted is not weighed)
+    rounds.select(*_two_branch_trees(4, 0.05), 4)  # the narrowed round (its tree as drafted is not weighed)
     assert (schedule.narrowing.left, schedule.narrowing.length) == (0, 1)
-    assert [r.top_k for r in schedule.requests(state, 100, LogitsProcessorList())] == [None] * 4
+    assert [r.top_k for r in rounds.requests(state, 100, LogitsProcessorList())] == [None] * 4
     assert schedule.round_drafting == 0.03
-    schedule.select(*_two_branch_trees(4, 0.05), 4)  # the chain wins again: twice as long
+    rounds.select(*_two_branch_trees(4, 0.05), 4)  # the chain wins again: twice as long
     assert (schedule.narrowing.left, schedule.narrowing.length) == (2, 2)
     schedule.narrowing.left, schedule.chain_drafting = 0, 0.03  # a tree round where the chain saves nothing
-    schedule.select(*_two_branch_trees(4, 0.6), 4)
+    rounds.select(*_two_branch_trees(4, 0.6), 4)
     assert (schedule.narrowing.left, schedule.narrowing.length) == (0, 0)
 
 
@@ -951,31 +962,31 @@ def test_a_round_after_a_back_off_probes_with_the_chain():
     """A drafted tree round not worth a plain step turns drafting off for a while; the round that then drafts again
     asks for the chain only, priced at the chain's cost (a probe at a tree's cost is what the back-off saves); a
     probe that pays resets the back-off, and the round after it drafts the tree again."""
-    from hf_dspark.decoding.tree_rounds import TreeSchedule
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
 
     sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))
     settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
-    schedule = TreeSchedule(settings, 4, [], None, sps=sps, drafting=0.03, chain_drafting=0.01)
+    rounds = _tree_rounds(settings, 4, sps=sps, drafting=0.03, chain_drafting=0.01)
+    schedule = rounds.schedule
     state = SimpleNamespace(  # what requests() reads of a batch
         size=4, active=[0, 1, 2, 3], history=lambda r: torch.tensor([5]), anchor_positions=torch.ones(4, dtype=int),
         room=lambda limit, max_length: [4] * 4,
     )  # fmt: skip
 
     def top_ks():
-        return [(r.draft, r.top_k) for r in schedule.requests(state, 100, LogitsProcessorList())]
+        return [(r.draft, r.top_k) for r in rounds.requests(state, 100, LogitsProcessorList())]
 
     assert top_ks() == [(True, None)] * 4 and schedule.round_drafting == 0.03
-    schedule.select(*_two_branch_trees(4, 0.5, sure=0.02), 4)  # worth more than its chain, less than a plain step
+    rounds.select(*_two_branch_trees(4, 0.5, sure=0.02), 4)  # worth more than its chain, less than a plain step
     assert (schedule.backoff.length, schedule.backoff.left, schedule.narrowing.left) == (1, 1, 0)
     assert top_ks() == [(False, None)] * 4
     assert top_ks() == [(True, 1)] * 4 and schedule.round_drafting == 0.01  # the probe: the chain, at its cost
-    schedule.select(*_two_branch_trees(4, 0.01, sure=0.02), 4)  # it did not pay either: twice as long
+    rounds.select(*_two_branch_trees(4, 0.01, sure=0.02), 4)  # it did not pay either: twice as long
     assert (schedule.backoff.length, schedule.backoff.left) == (2, 2)
     assert top_ks() == [(False, None)] * 4 and top_ks() == [(False, None)] * 4
     assert top_ks() == [(True, 1)] * 4
-    schedule.select(*_two_branch_trees(4, 0.05), 4)  # this probe pays: drafting is back, trees first
+    rounds.select(*_two_branch_trees(4, 0.05), 4)  # this probe pays: drafting is back, trees first
     assert (schedule.backoff.length, schedule.backoff.left, schedule.narrowing.left) == (0, 0, 0)
     assert top_ks() == [(True, None)] * 4 and schedule.round_drafting == 0.03
 
@@ -1017,23 +1028,24 @@ def test_a_drafted_round_must_beat_a_plain_step_by_the_premium_the_call_observed
 
     sps = SPSProfile.from_callable(lambda B: 1 / (0.05 + 0.002 * B))
     settings = DecodingConfig(verify_mode="scheduled", tree_top_k=2, verify_limit=8)
-    schedule = tree_rounds.TreeSchedule(settings, 4, [], None, sps=sps, drafting=0.03, observed=ObservedRounds())
+    rounds = _tree_rounds(settings, 4, sps=sps, drafting=0.03, observed=ObservedRounds())
+    schedule = rounds.schedule
     trees, requests = _two_branch_trees(4, 0.05)  # Θ = 10.84 / 0.104 s against 4 / 0.058 s: 1.51x a plain step
-    chosen = schedule.select(trees, requests, 4)
+    chosen = rounds.select(trees, requests, 4)
     assert [len(nodes) for nodes in chosen] == [2] * 4 and schedule.backoff.left == 0
     assert schedule.observed.pending == (True, pytest.approx(1 / sps(12) + 0.03))
-    schedule.time_round(0.104 * 1.8)
+    rounds.time_round(0.104 * 1.8)
     assert schedule.observed.ratios[True] == [pytest.approx(1.8)] and schedule.observed.pending is None
     for _ in range(7):
         schedule.observed.observe(True, 0.1, 0.18)
     assert schedule.observed.premium() > 1.51
-    schedule.select(*_two_branch_trees(4, 0.05), 4)
+    rounds.select(*_two_branch_trees(4, 0.05), 4)
     assert schedule.backoff.length == 1 and schedule.backoff.left == 1
 
     monkeypatch.setattr(tree_rounds, "sps_profile", lambda *a, **k: sps)
     monkeypatch.setattr(tree_rounds, "tree_draft_seconds", lambda draft, top_k, rows: 0.01)
-    measured = tree_rounds.TreeSchedule(settings, 4, [], None)
+    measured = tree_rounds.TreeRounds(settings, 4, [], None)
     measured.price(SimpleNamespace(draft=SimpleNamespace(sps_profile=None), target=None), 4)
-    pinned = tree_rounds.TreeSchedule(settings, 4, [], None)
+    pinned = tree_rounds.TreeRounds(settings, 4, [], None)
     pinned.price(SimpleNamespace(draft=SimpleNamespace(sps_profile=sps), target=None), 4)
     assert measured.observed is not None and pinned.observed is None

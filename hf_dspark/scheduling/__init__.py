@@ -2,9 +2,9 @@
 
 ``policy.py`` is the policy and only that, pure functions of numbers: the SPS profile as a table, the paper's
 Algorithm 1 and its variants, the column plan, trees' priced node choice. ``modes/`` holds the verify modes, one
-registered object a file, and the functions the loop asks them through. ``chains.py`` is the chain schedule, the
-state a call's chain rounds carry between them. ``backoff.py`` is the doubling back-off both schedules use.
-``recalibration.py`` shifts the confidences a call observes against what it accepts; ``observed.py`` holds the
-rounds' wall time against their prices. What measures costs by running the models lives in
-``hf_dspark.decoding.costs``.
+registered object a file, and the functions the loop asks them through. ``chains.py`` and ``trees.py`` are the
+chain and tree schedules, the state a call's rounds carry between them. ``backoff.py`` is the doubling back-off
+both schedules use. ``recalibration.py`` shifts the confidences a call observes against what it accepts;
+``observed.py`` holds the rounds' wall time against their prices. What measures costs by running the models lives
+in ``hf_dspark.decoding.costs``.
 """
