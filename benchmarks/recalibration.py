@@ -145,7 +145,7 @@ def main() -> None:
         draft_s = earlier["draft_block_s"]
         measured_draft_seconds(draft)[(1, False, str(draft.device), draft.dtype)] = draft_s  # what the loop plans with
     else:
-        sps, draft_s, _ = round_prices(draft, target, 1, False)
+        sps, draft_s = round_prices(draft, target, 1, False)
     sps = SPSProfile.from_table({b: sps(b) for b in range(1, widest + 1)})
     draft.sps_profile = sps  # fixed for the whole run: the decisions no longer depend on timing
     print(

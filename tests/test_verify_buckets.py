@@ -146,7 +146,7 @@ def test_priced_schedules_price_each_width_at_its_bucket(monkeypatch):
 
     def round_prices(draft, target, rows, do_sample):
         asked.append(rows)
-        return sps, 0.01, sps
+        return sps, 0.01
 
     monkeypatch.setattr(chain, "round_prices", round_prices)
     call = SimpleNamespace(draft=SimpleNamespace(sps_profile=None), target=None, rules=SimpleNamespace(do_sample=False))

@@ -14,12 +14,11 @@ What carries over between rounds (prices, back-off, recalibration, the observed 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..scheduling.chains import ChainSchedule
-from ..scheduling.observed import ObservedRounds
 from ..scheduling.policy import ColumnPlan, width_buckets
 from ..scheduling.recalibration import AcceptanceRecalibration
 from ..settings import MAX_VERIFY_WIDTH, DecodingConfig
@@ -83,8 +82,8 @@ class ChainRounds(PricedRounds):
 
     settings: DecodingConfig
     draft_tokens: int  # the draft's tokens per block (``num_draft_tokens``)
-    schedule: ChainSchedule | None = None  # made from the settings
-    lookup: LookupProposer | None = None  # the call's lookup drafting (``lookup_max_ngram`` > 0)
+    schedule: ChainSchedule = field(init=False)  # made from the settings
+    lookup: LookupProposer | None = field(init=False)  # the call's lookup drafting (``lookup_max_ngram`` > 0)
 
     def __post_init__(self):
         s = self.settings
@@ -98,21 +97,13 @@ class ChainRounds(PricedRounds):
         self.schedule = ChainSchedule(s.verify_mode, s.verify_layout, s.confidence_threshold, s.greedy_lookahead,
                                       recalibration, buckets)  # fmt: skip
 
-    @property
-    def observed(self) -> ObservedRounds | None:
-        return self.schedule.observed
-
-    @property
-    def buckets(self) -> tuple[int, ...] | None:
-        return self.schedule.buckets
-
     def price(self, call: Call, rows: int, measured_rows: int | None = None) -> None:
         """Price verifies of ``rows`` batch rows (with the profile measured for ``measured_rows``, default
         ``rows``); with measured costs (no ``draft.sps_profile``) and ``cost_recalibration``, also time the call's
         rounds against those prices (:class:`~hf_dspark.scheduling.observed.ObservedRounds`): a drafted round must
         then beat a plain step by the premium they show."""
         if self.priced:
-            sps, drafting, _ = round_prices(call.draft, call.target, measured_rows or rows, call.rules.do_sample)
+            sps, drafting = round_prices(call.draft, call.target, measured_rows or rows, call.rules.do_sample)
             self.schedule.set_prices(sps, drafting, rows)
             self.schedule.observed = observed_rounds(self.observed, call.draft, self.settings.cost_recalibration)
 

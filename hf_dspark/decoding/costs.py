@@ -4,7 +4,7 @@ draft block's own cost. The scheduler's policy (:mod:`hf_dspark.scheduling.polic
     sps_profile     the target's steps per second for each verify shape of a batch (measured once, cached on disk)
     measure_profile the timing itself: ``time_verify_steps`` over a grid, the disk cache, the staleness probe
     draft_seconds   what one whole draft block costs for a batch (measured once per process)
-    round_prices    both, and the planner's profile: the verify profile with the draft block's cost added
+    round_prices    both, for a chain round
     measure_sps     pay both ahead of the first ``generate`` call
 
 Measurements are remembered per draft in weak-keyed tables (a draft that is freed takes its entries with it); a
@@ -27,8 +27,10 @@ from transformers.generation import LogitsProcessorList
 from transformers.utils.logging import is_progress_bar_enabled
 
 from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.chains import ChainSchedule
 from ..scheduling.observed import ObservedRounds
 from ..scheduling.policy import SPSProfile
+from ..scheduling.trees import TreeSchedule
 from ..settings import DecodingConfig
 from .drafting import DraftContext, draft_block
 from .lm_head import head_orientation, verify_head
@@ -152,11 +154,9 @@ def observed_rounds(current: ObservedRounds | None, draft: DSparkDraftModel, rec
     return current
 
 
-def round_prices(draft: DSparkDraftModel, target, rows: int, do_sample: bool):
-    """What the scheduler prices a batch of ``rows`` with: (verify profile, seconds of a draft block, the planner's
-    profile = the verify profile with the draft block's cost added to every step)."""
-    sps, drafting = sps_profile(draft, target, rows), draft_seconds(draft, rows, do_sample)
-    return sps, drafting, sps.plus_seconds(drafting)
+def round_prices(draft: DSparkDraftModel, target, rows: int, do_sample: bool) -> tuple[SPSProfile, float]:
+    """What the chain schedule prices a batch of ``rows`` with: (verify profile, seconds of a draft block)."""
+    return sps_profile(draft, target, rows), draft_seconds(draft, rows, do_sample)
 
 
 def profile_rows(active: int, batch: int) -> int:
@@ -308,17 +308,27 @@ def time_verify_steps(
 
 
 class PricedRounds:
-    """What the chain and tree schedules share: whether the call's mode prices its rounds, and each round's wall time
-    against its price (``observed``: :class:`ObservedRounds`, with measured costs). The loop drives either through
-    three methods: ``price(call, rows)`` (before the first round and after the batch shrinks), ``round(call,
-    state)`` and ``keep_rows(index)`` (after :meth:`~hf_dspark.decoding.state.DecodeState.compact`)."""
+    """What the chain and tree rounds share: the call's ``settings`` and its ``schedule`` (a
+    :class:`~hf_dspark.scheduling.chains.ChainSchedule` or :class:`~hf_dspark.scheduling.trees.TreeSchedule`), whether
+    the mode prices its rounds, the widths verifies pad to, and each round's wall time against its price
+    (``observed``, with measured costs). The loop drives either through three methods: ``price(call, rows)`` (before
+    the first round and after the batch shrinks), ``round(call, state)`` and ``keep_rows(index)`` (after
+    :meth:`~hf_dspark.decoding.state.DecodeState.compact`)."""
 
     settings: DecodingConfig
-    observed: ObservedRounds | None
+    schedule: ChainSchedule | TreeSchedule
 
     @property
     def priced(self) -> bool:
         return self.settings.priced
+
+    @property
+    def observed(self) -> ObservedRounds | None:
+        return self.schedule.observed
+
+    @property
+    def buckets(self) -> tuple[int, ...] | None:
+        return self.schedule.buckets
 
     def time_round(self, seconds: float) -> None:
         """A round just ran in ``seconds``: what it cost against its price (the premium a drafted round must pay)."""

@@ -14,12 +14,11 @@ What carries over between rounds (prices, back-off, narrowing, the observed cost
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
-from ..scheduling.observed import ObservedRounds
 from ..scheduling.policy import width_buckets
 from ..scheduling.recalibration import AcceptanceRecalibration
 from ..scheduling.trees import TreeSchedule
@@ -48,7 +47,7 @@ class TreeRounds(PricedRounds):
     proposers: list
     lookup: LookupProposer | None
     recalibration: AcceptanceRecalibration | None = None  # the draft proposer's, fed here from each walk
-    schedule: TreeSchedule | None = None  # made from the settings
+    schedule: TreeSchedule = field(init=False)  # made from the settings
 
     def __post_init__(self):
         s = self.settings
@@ -59,14 +58,6 @@ class TreeRounds(PricedRounds):
     def budget(self) -> int:
         s = self.settings
         return s.verify_limit if s.verify_limit is not None else min(self.draft_tokens * s.tree_top_k, MAX_VERIFY_WIDTH)
-
-    @property
-    def observed(self) -> ObservedRounds | None:
-        return self.schedule.observed
-
-    @property
-    def buckets(self) -> tuple[int, ...] | None:
-        return self.schedule.buckets
 
     def price(self, call: Call, rows: int, measured_rows: int | None = None) -> None:
         """Price verifies of ``rows`` batch rows up to the node budget (with the profiles measured for
