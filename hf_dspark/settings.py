@@ -74,8 +74,9 @@ class DecodingConfig:
             is verified; sampling calls always keep the early stop, which is what keeps them exact (a plan that
             looked past a drop would verify a sampled token according to the token itself).
         verify_buckets: pad each round's verify block to the next of a few widths (the powers of two below the
-            call's widest block, and that block; for γ = 8 these are 1, 2, 4, 8 and 9 slots a row), so that a
-            call's verify forward runs in a handful of shapes, which capturing it (one CUDA graph a shape) needs.
+            call's widest block, the draft's whole block and the widest; for γ = 8 chains these are 1, 2, 4, 8 and
+            9 slots a row, 32-node trees add 16, 32 and 33), so that a call's verify forward runs in a handful of
+            shapes, which capturing it (one CUDA graph a shape) needs.
             The priced modes then price each width at its bucket's cost, so they fill a bucket they pay for.
             Lossless (padding is masked and never read); off by default, since padding costs its slots wherever
             the forward's cost grows with its width (a CPU).

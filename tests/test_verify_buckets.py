@@ -16,11 +16,13 @@ from hf_dspark.settings import DecodingConfig
 from hf_dspark.testing import tiny_target
 
 
-def test_buckets_are_the_powers_of_two_below_the_widest_block_and_it():
+def test_buckets_are_the_powers_of_two_below_the_widest_the_drafts_block_and_the_widest():
     assert width_buckets(1) == (1,)
-    assert width_buckets(9) == (1, 2, 4, 8, 9)
+    assert width_buckets(9) == width_buckets(9, 9) == (1, 2, 4, 8, 9)
     assert width_buckets(8) == (1, 2, 4, 8)
-    assert width_buckets(257) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 257)
+    assert width_buckets(33, 9) == (1, 2, 4, 8, 9, 16, 32, 33)  # a 32-node tree: a whole chain never pads
+    assert width_buckets(4, 9) == (1, 2, 4)  # a block wider than the call's widest verify is no bucket
+    assert width_buckets(257, 9) == (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 257)
     assert [bucket_width(w, (1, 2, 4, 8, 9)) for w in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 9]
     with pytest.raises(ValueError, match=r"a verify of 10 slots is wider than the call's widest bucket \(9\)"):
         bucket_width(10, (1, 2, 4, 8, 9))
@@ -111,7 +113,7 @@ def test_bucketed_verifies_decode_exactly_plain_greedy(monkeypatch, case, rows):
         widest = 1 + settings.get("verify_limit", gamma * settings["tree_top_k"])
     else:
         widest = 1 + max(gamma, settings.get("lookup_max_tokens", 0))
-    buckets = width_buckets(widest)
+    buckets = width_buckets(widest, 1 + gamma)
     rounds = widths  # the verify forwards (the prefill runs its own)
     assert len(rounds) == len(stats.verify_rounds)
     assert rounds == [bucket_width(1 + max(lengths), buckets) for lengths in stats.verify_rounds]
@@ -161,13 +163,14 @@ def test_priced_schedules_price_each_width_at_its_bucket(monkeypatch):
     plain.price(call, 3)
     assert plain.buckets is None and plain.schedule.sps is sps
     looked_up = chain.ChainRounds(settings.replace(lookup_max_ngram=2, lookup_max_tokens=20, verify_limit=12), 8)
-    assert looked_up.buckets == (1, 2, 4, 8, 13)  # a continuation may be wider than a block, within the limit
+    assert looked_up.buckets == (1, 2, 4, 8, 9, 13)  # a continuation may be wider than a block, within the limit
 
     monkeypatch.setattr(tree_rounds, "sps_profile", lambda draft, target, rows, max_width: sps)
     monkeypatch.setattr(tree_rounds, "tree_draft_seconds", lambda draft, top_k, rows: 0.01 * top_k)
     tree_settings = settings.replace(tree_top_k=3)
     trees = tree_rounds.TreeRounds(tree_settings, 8, [], None)
-    assert trees.buckets == trees.schedule.buckets == width_buckets(1 + 24)
+    assert trees.buckets == trees.schedule.buckets == (1, 2, 4, 8, 9, 16, 25)
     trees.price(call, 2)
-    assert trees.schedule.sps(2 * 17) == sps(2 * 25) and trees.schedule.sps(2 * 9) == sps(2 * 16)
+    assert trees.schedule.sps(2 * 17) == sps(2 * 25) and trees.schedule.sps(2 * 10) == sps(2 * 16)
+    assert trees.schedule.sps(2 * 9) == sps(2 * 9)  # the draft's whole block is a bucket of its own
     assert (trees.schedule.drafting, trees.schedule.chain_drafting) == (0.03, 0.01)

@@ -93,7 +93,8 @@ class ChainRounds(PricedRounds):
         if s.verify_buckets:  # the widest block: a drafted one, or a lookup continuation
             limit = s.verify_limit if s.verify_limit is not None else MAX_VERIFY_WIDTH
             looked_up = min(self.lookup.max_tokens, limit) if self.lookup is not None else 0
-            buckets = width_buckets(1 + max(min(self.draft_tokens, limit), looked_up))
+            drafted = min(self.draft_tokens, limit)
+            buckets = width_buckets(1 + max(drafted, looked_up), 1 + drafted)
         self.schedule = ChainSchedule(s.verify_mode, s.verify_layout, s.confidence_threshold, s.greedy_lookahead,
                                       recalibration, buckets)  # fmt: skip
 

@@ -51,7 +51,7 @@ class TreeRounds(PricedRounds):
 
     def __post_init__(self):
         s = self.settings
-        buckets = width_buckets(1 + self.budget) if s.verify_buckets else None
+        buckets = width_buckets(1 + self.budget, 1 + self.draft_tokens) if s.verify_buckets else None
         self.schedule = TreeSchedule(s.verify_mode, s.confidence_threshold, s.greedy_lookahead, self.budget, buckets)
 
     @property

@@ -96,13 +96,15 @@ class SPSProfile:
         return SPSProfile.from_callable(lambda B: self(rows * bucket_width(-(-B // rows), buckets)))
 
 
-def width_buckets(widest: int) -> tuple[int, ...]:
-    """The verify widths (slots a row: anchor + candidates) a call whose widest block is ``widest`` slots pads
-    to: the powers of two below it, and ``widest`` itself (γ = 8: 1, 2, 4, 8, 9). A few shapes per call, which
-    is what capturing the verify forward (a CUDA graph per shape) needs, for at most twice the slots."""
+def width_buckets(widest: int, block: int | None = None) -> tuple[int, ...]:
+    """The verify widths (slots a row: anchor + candidates) a call pads to: the powers of two below its ``widest``
+    block, the draft's whole ``block`` (1 + γ, the width a chain verifies most, so that it never pads) and
+    ``widest`` itself (γ = 8: chains 1, 2, 4, 8, 9; 32-node trees 1, 2, 4, 8, 9, 16, 32, 33). A few shapes a call,
+    which is what capturing the verify forward (a CUDA graph a shape) needs, for at most twice the slots."""
     if widest < 1:
         raise ValueError(f"the widest verify must be >= 1 slot, got {widest}")
-    return (*(1 << i for i in range((widest - 1).bit_length()) if 1 << i < widest), widest)
+    powers = {1 << i for i in range((widest - 1).bit_length())}
+    return tuple(sorted(w for w in {*powers, block or widest, widest} if w <= widest))
 
 
 def bucket_width(width: int, buckets: tuple[int, ...]) -> int:
