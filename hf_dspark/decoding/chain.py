@@ -84,17 +84,18 @@ class ChainRounds(PricedRounds):
     draft_tokens: int  # the draft's tokens per block (``num_draft_tokens``)
     schedule: ChainSchedule = field(init=False)  # made from the settings
     lookup: LookupProposer | None = field(init=False)  # the call's lookup drafting (``lookup_max_ngram`` > 0)
+    drafted_limit: int = field(init=False)  # the most draft tokens a row verifies: γ within ``verify_limit``
 
     def __post_init__(self):
         s = self.settings
         self.lookup = LookupProposer.of(s, self.draft_tokens)
+        self.drafted_limit = min(self.draft_tokens, s.verify_limit if s.verify_limit is not None else self.draft_tokens)
         recalibration = AcceptanceRecalibration(self.draft_tokens) if s.priced and s.confidence_recalibration else None
         buckets = None
         if s.verify_buckets:  # the widest block: a drafted one, or a lookup continuation
             limit = s.verify_limit if s.verify_limit is not None else MAX_VERIFY_WIDTH
             looked_up = min(self.lookup.max_tokens, limit) if self.lookup is not None else 0
-            drafted = min(self.draft_tokens, limit)
-            buckets = width_buckets(1 + max(drafted, looked_up), 1 + drafted)
+            buckets = width_buckets(1 + max(self.drafted_limit, looked_up), 1 + self.drafted_limit)
         self.schedule = ChainSchedule(s.verify_mode, s.verify_layout, s.confidence_threshold, s.greedy_lookahead,
                                       recalibration, buckets)  # fmt: skip
 
@@ -109,14 +110,12 @@ class ChainRounds(PricedRounds):
             self.schedule.observed = observed_rounds(self.observed, call.draft, self.settings.cost_recalibration)
 
     def plan(self, state: DecodeState, max_length: int) -> RoundPlan:
-        s = self.settings
-        limit = min(self.draft_tokens, s.verify_limit if s.verify_limit is not None else self.draft_tokens)
         # a row whose recent tokens repeat earlier ones verifies what followed them instead of a drafted block, when
         # it is the only row running: in a batch every row shares the verify block's width, and lookups, which no
         # plan prices, widened it past what the scheduler pays for (R = 4: 58 tok/s against 67 scheduled)
         alone = self.lookup is not None and len(state.active) == 1
         looked_up = self.lookups(state, max_length) if alone else {}
-        caps = self.schedule.caps(state.room(limit, max_length), looked_up)
+        caps = self.schedule.caps(state.room(self.drafted_limit, max_length), looked_up)
         return RoundPlan(caps, looked_up, self.schedule.planner(caps))
 
     def lookups(self, state: DecodeState, max_length: int) -> dict[int, torch.Tensor]:

@@ -51,13 +51,14 @@ class TreeRounds(PricedRounds):
 
     def __post_init__(self):
         s = self.settings
-        buckets = width_buckets(1 + self.budget, 1 + self.draft_tokens) if s.verify_buckets else None
-        self.schedule = TreeSchedule(s.verify_mode, s.confidence_threshold, s.greedy_lookahead, self.budget, buckets)
+        budget = min(self.draft_tokens * s.tree_top_k, MAX_VERIFY_WIDTH) if s.verify_limit is None else s.verify_limit
+        buckets = width_buckets(1 + budget, 1 + self.draft_tokens) if s.verify_buckets else None
+        self.schedule = TreeSchedule(s.verify_mode, s.confidence_threshold, s.greedy_lookahead, budget, buckets)
 
     @property
     def budget(self) -> int:
-        s = self.settings
-        return s.verify_limit if s.verify_limit is not None else min(self.draft_tokens * s.tree_top_k, MAX_VERIFY_WIDTH)
+        """The most nodes a row verifies in a round (the schedule's, fixed for the call)."""
+        return self.schedule.budget
 
     def price(self, call: Call, rows: int, measured_rows: int | None = None) -> None:
         """Price verifies of ``rows`` batch rows up to the node budget (with the profiles measured for
@@ -80,9 +81,10 @@ class TreeRounds(PricedRounds):
         # merged lookup nodes join after the draft's, so its expansion cannot know the choice before they do
         early = len(state.active) == 1 and not (self.settings.tree_lookup_merge and self.lookup is not None)
         requests = []
+        budget = self.budget
         for r in state.active:
             settled = partial(self.schedule.settled, state.size, room[r]) if early else None
-            requests.append(TreeRequest(r, state.history(r), state.anchor_positions[r], room[r], self.budget,
+            requests.append(TreeRequest(r, state.history(r), state.anchor_positions[r], room[r], budget,
                                         processors, draft, top_k, sample, settled))  # fmt: skip
         return requests
 

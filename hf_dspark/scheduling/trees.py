@@ -152,7 +152,7 @@ class TreeSchedule:
         been worth a plain step."""
         values = []
         for tree, nodes in zip(trees, ranked, strict=True):
-            chain = chain_nodes(tree)
+            chain = _chain_nodes(tree)
             values.append([tree.values[n] for n in nodes if n in chain])
         chain_summed = _rank_sums(values)
         chain_count, chain_pays = self.count_at(chain_summed, rows, generating, self.chain_drafting)
@@ -168,7 +168,7 @@ def _rank_sums(values: list[list[float]]) -> list[float]:
     return [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values), default=0))]
 
 
-def chain_nodes(tree) -> set[int]:
+def _chain_nodes(tree) -> set[int]:
     """The nodes a narrowed round would have drafted: those whose every node from the anchor is the draft's top
     child or a lookup branch's (parents come before their children in a tree)."""
     chain: set[int] = set()
