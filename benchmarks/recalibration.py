@@ -42,7 +42,7 @@ import hf_dspark
 from benchmarks.lookup_length import held_out_texts
 from hf_dspark import DSparkDraftModel
 from hf_dspark.__main__ import SAMPLE_PROMPTS
-from hf_dspark.decoding import chain
+from hf_dspark.decoding import chain, proposers
 from hf_dspark.decoding.costs import measured_draft_seconds, round_prices
 from hf_dspark.embedded import DRAFT_DIR, load_target
 from hf_dspark.evaluation.evaluate import chat_ids, load_prompts
@@ -69,13 +69,13 @@ def parse_variant(spec: str) -> tuple[bool, dict]:
 def priced_call(target, draft, ids, recalibrate: bool, kwargs: dict, sps: SPSProfile, draft_s: float, new: int):
     """One greedy DSpark call under a recalibration variant -> (output ids, priced seconds, committed, rounds)."""
     ran_draft = []
-    original = chain.draft_block
+    original = proposers.draft_block
 
     def counting(draft_, context, histories, anchors, max_tokens, *args, **kw):
         ran_draft.append(max_tokens > 0)
         return original(draft_, context, histories, anchors, max_tokens, *args, **kw)
 
-    chain.draft_block = counting
+    proposers.draft_block = counting
     chain.AcceptanceRecalibration = functools.partial(AcceptanceRecalibration, **kwargs)
     try:
         out = target.generate(
@@ -83,7 +83,7 @@ def priced_call(target, draft, ids, recalibrate: bool, kwargs: dict, sps: SPSPro
             max_new_tokens=new, do_sample=False,
         )  # fmt: skip
     finally:
-        chain.draft_block, chain.AcceptanceRecalibration = original, AcceptanceRecalibration
+        proposers.draft_block, chain.AcceptanceRecalibration = original, AcceptanceRecalibration
     stats = draft.stats
     widths = [1 + lengths[0] for lengths in stats.verify_rounds]
     seconds = sum(1 / sps(w) for w in widths) + draft_s * sum(ran_draft)

@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.readme_tables import replace_block
 from hf_dspark import DSparkDraftModel, dspark_generate, embedded, measure_sps
-from hf_dspark.decoding import chain, costs
+from hf_dspark.decoding import costs, proposers
 from hf_dspark.evaluation.evaluate import load_prompts
 from hf_dspark.scheduling import chains
 
@@ -70,7 +70,7 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
     In reduced precision a row's output can part from plain greedy's at a logit tie (see ``hf-dspark bench``);
     from then on the reference no longer predicts acceptance, so that row verifies every draft token it may
     (its cap), and its index is added to ``diverged``. In float32 no row diverges."""
-    real_draft, real_choose = chain.draft_block, chains.choose_lengths
+    real_draft, real_choose = proposers.draft_block, chains.choose_lengths
     seen = {}
 
     def draft_block(draft, context, histories, *args, **kwargs):
@@ -95,11 +95,11 @@ def hindsight(reference: list[list[int]], diverged: set[int] | None = None):
             lengths.append(n)
         return lengths
 
-    chain.draft_block, chains.choose_lengths = draft_block, choose_lengths
+    proposers.draft_block, chains.choose_lengths = draft_block, choose_lengths
     try:
         yield
     finally:
-        chain.draft_block, chains.choose_lengths = real_draft, real_choose
+        proposers.draft_block, chains.choose_lengths = real_draft, real_choose
 
 
 # each row its own token tree: (top-K children per node, most nodes a row verifies per round)

@@ -8,11 +8,12 @@ The embedded SmolLM2 target and the shipped draft, float32 (``--dtype bfloat16``
 tree and a chain may part at a tie of the logits, which stops the run), greedy, scheduled verify with lookup (the
 shipped configuration), each prompt run as a chain and as a tree back to back. The loop's own functions are wrapped with
 timers (no profiler, whose per-call overhead would charge the tree's extra Python calls unfairly): the target's
-forward (the verify; the prompt's prefill is timed apart and left out), the chain's ``draft_block``, the tree's
-``propose_trees`` (backbone + expansion + lookup) and ``keep_paths`` (cache compaction). Milliseconds per round,
-τ and tokens/s; every output is checked against the chain's (both are plain greedy's). ``tree<k>-whole`` is the same
-tree with the expansion's schedule-aware stop turned off (every depth the budget allows is expanded; the verified
-nodes are the same), and ``head_steps`` counts the sequential head's evaluations (one a depth expanded) per round.
+forward (the verify; the prompt's prefill is timed apart and left out), the round's ``propose`` (every proposer:
+a chain's lookup and drafted block, a tree's backbone, expansion and lookup) and ``keep_paths`` (cache
+compaction). Milliseconds per round, τ and tokens/s; every output is checked against the chain's (both are plain
+greedy's). ``tree<k>-whole`` is the same tree with the expansion's schedule-aware stop turned off (every depth the
+budget allows is expanded; the verified nodes are the same), and ``head_steps`` counts the sequential head's
+evaluations (one a depth expanded) per round.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 import hf_dspark
 from hf_dspark import DSparkDraftModel
-from hf_dspark.decoding import chain, loop, state, tree_rounds, verification
+from hf_dspark.decoding import loop, state, verification
 from hf_dspark.embedded import DRAFT_DIR, load_target
 from hf_dspark.evaluation.evaluate import chat_ids, load_prompts
 from hf_dspark.scheduling.trees import TreeSchedule
@@ -37,11 +38,9 @@ from .pinned_costs import pin_costs
 ROOT = Path(__file__).resolve().parents[1]
 # each function is wrapped where the round that calls it looks it up (the prefill's forward too: it is subtracted)
 TIMED = {
-    loop: ["prefill"],
+    loop: ["prefill", "propose"],
     state: ["target_forward"],
     verification: ["target_forward"],
-    chain: ["draft_block"],
-    tree_rounds: ["propose_trees"],
     state.DecodeState: ["keep_paths"],
 }
 NAMES = list(dict.fromkeys(name for names in TIMED.values() for name in names))
@@ -128,7 +127,7 @@ def main() -> None:
             t["target_forward"] -= t["prefill"]
             t["seconds"] -= t["prefill"]
             per_round = {k: round(1000 * t[k] / t["rounds"], 2) for k in NAMES}
-            drafting = per_round["draft_block"] + per_round["propose_trees"]
+            drafting = per_round["propose"]
             known = per_round["target_forward"] + drafting + per_round["keep_paths"]
             results[dataset][name] = {
                 "tok_per_s": round(t["committed"] / (t["seconds"] + t["prefill"]), 2),

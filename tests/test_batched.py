@@ -267,7 +267,7 @@ def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
     scripted_draft(draft, refs, lambda r, k: k < draft.config.draft_offset + 2)  # right for 2 tokens, then wrong
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    runs, real = {}, (bench.chain.draft_block, bench.chains.choose_lengths)
+    runs, real = {}, (bench.proposers.draft_block, bench.chains.choose_lengths)
     diverged = set()
     for name in ("fixed", "oracle"):
         draft.decoding.verify_mode, draft.decoding.verify_limit = "fixed", None
@@ -284,4 +284,4 @@ def test_throughput_benchmark_oracle_verifies_exactly_the_accepted_tokens():
     with bench.hindsight(wrong, diverged):
         out = target.generate(ids, **kw)
     assert out.tolist() == plain.tolist() and diverged == {1}
-    assert (bench.chain.draft_block, bench.chains.choose_lengths) == real  # the loop is restored
+    assert (bench.proposers.draft_block, bench.chains.choose_lengths) == real  # the loop is restored

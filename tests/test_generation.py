@@ -10,7 +10,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_dspark
 from hf_dspark import DSparkDraftModel
-from hf_dspark.decoding import chain, costs, drafting
+from hf_dspark.decoding import costs, drafting, proposers
 from hf_dspark.scheduling import chains
 from hf_dspark.testing import tiny_target
 
@@ -439,7 +439,7 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
     with torch.no_grad():  # confidences spread over (0, 1), so plans end at different slots
         draft.confidence.confidence_head.weight.normal_(0, 0.3)
     blocks = []
-    real = chain.draft_block
+    real = proposers.draft_block
 
     def spy(*args):
         planner = args[7]
@@ -452,7 +452,7 @@ def test_drafting_stops_once_the_plan_cannot_grow(mode, rows, monkeypatch):
         blocks.append((args[4], proposal, whole, whole_plan.lengths))
         return proposal
 
-    monkeypatch.setattr(chain, "draft_block", spy)
+    monkeypatch.setattr(proposers, "draft_block", spy)
     ids = torch.tensor([[5, 6, 7, 8], [9, 3, 4, 40], [70, 2, 11, 12]][:rows])
     kw = dict(max_new_tokens=24, do_sample=False)
     out = target.generate(ids, assistant_model=draft, **kw)

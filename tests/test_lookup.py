@@ -224,20 +224,20 @@ def test_adaptive_lookup_width_rule():
 
 
 def test_a_round_where_every_row_looks_up_does_not_draft(monkeypatch):
-    from hf_dspark.decoding import chain
+    from hf_dspark.decoding import proposers
 
     target = tiny_target(dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=4, head_rank=8)
     draft.decoding.verify_mode = "fixed"
     draft.decoding.lookup_max_ngram, draft.decoding.lookup_min_ngram = 2, 1
     drafted = []
-    original = chain.draft_block
+    original = proposers.draft_block
 
     def spy(draft_, context, histories, anchor_positions, max_tokens, *args, **kwargs):
         drafted.append(max_tokens)
         return original(draft_, context, histories, anchor_positions, max_tokens, *args, **kwargs)
 
-    monkeypatch.setattr(chain, "draft_block", spy)
+    monkeypatch.setattr(proposers, "draft_block", spy)
     target.generate(REPEATING, max_new_tokens=30, do_sample=False, assistant_model=draft)
     stats = draft.stats
     # one draft_block call per round, asked for nothing when the row looked up, else for what it verifies (fixed)

@@ -10,7 +10,7 @@ import torch
 from helpers import ALPHA, CASES, VOCAB, chi_square_pvalue, exact_distribution, processors, sample_counts
 
 import hf_dspark
-import hf_dspark.decoding.chain
+import hf_dspark.decoding.proposers
 from hf_dspark import DSparkDraftModel
 from hf_dspark.testing import tiny_target
 
@@ -93,7 +93,7 @@ def test_sampling_is_lossless_with_a_draft_vocabulary(target, monkeypatch):
         draft.sequential_head.markov_w2.weight.normal_(0, 2.0)
     draft.set_draft_vocab([3, 0, 2])
     proposed = set()
-    original = hf_dspark.decoding.chain.draft_block
+    original = hf_dspark.decoding.proposers.draft_block
 
     def spy(*args, **kwargs):
         proposal = original(*args, **kwargs)
@@ -102,7 +102,7 @@ def test_sampling_is_lossless_with_a_draft_vocabulary(target, monkeypatch):
             assert proposal.probs[..., [1, 4, 5]].abs().max() == 0  # q is exactly zero outside the subset
         return proposal
 
-    monkeypatch.setattr(hf_dspark.decoding.chain, "draft_block", spy)
+    monkeypatch.setattr(hf_dspark.decoding.proposers, "draft_block", spy)
     probs = exact_distribution(target, processors(kw["temperature"], kw["top_k"], kw["top_p"]))
     counts = sample_counts(target, draft, kw)
     assert proposed <= {0, 2, 3} and len(proposed) > 1

@@ -435,14 +435,14 @@ def test_a_row_with_a_lookup_continuation_is_drafted_only_when_merging(monkeypat
     """With lookup on, by default a row whose lookup finds a continuation verifies that branch alone (the draft's
     pass and expansion are skipped); ``tree_lookup_merge=True`` drafts it too and merges both in one tree. Exact
     either way."""
-    from hf_dspark.decoding import tree_rounds
+    from hf_dspark.decoding import loop
 
     target = tiny_target("llama")
     draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
     ids = torch.tensor([[5, 17, 33, 2, 9]])  # this tiny target's greedy output falls into a loop that lookup finds
     trees = []
-    real = tree_rounds.propose_trees
-    monkeypatch.setattr(tree_rounds, "propose_trees", lambda *a: trees.extend(real(*a)) or trees[-1:])
+    real = loop.propose
+    monkeypatch.setattr(loop, "propose", lambda *a: trees.extend(real(*a)) or trees[-1:])
     ref = target.generate(ids, max_new_tokens=30, do_sample=False)
     out = _tree_generate(target, draft, ids, max_new_tokens=30, tree_top_k=3, verify_mode="fixed",
                          lookup_max_ngram=3, tree_lookup_merge=merge)  # fmt: skip
@@ -463,7 +463,7 @@ def test_a_row_with_a_lookup_continuation_is_drafted_only_when_merging(monkeypat
 def test_the_scheduler_prices_drafting_only_for_rows_that_drafted(monkeypatch):
     """A round's drafting cost is charged per row whose tree holds draft nodes (a lookup-only row drafted nothing),
     and only a round that drafted moves the back-off."""
-    from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.decoding.proposers import RowRequest
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
 
@@ -475,7 +475,7 @@ def test_the_scheduler_prices_drafting_only_for_rows_that_drafted(monkeypatch):
     drafted, looked_up = TokenTree(), TokenTree()
     drafted.add(-1, 5, 0.6, "draft", top=True)
     looked_up.add_path([7, 8], [0.5, 0.5], "lookup")
-    request = TreeRequest(0, torch.tensor([1, 2]), torch.tensor(2), 4, 8, LogitsProcessorList())
+    request = RowRequest(0, torch.tensor([1, 2]), torch.tensor(2), 4, 8, LogitsProcessorList())
     rounds.select([drafted, looked_up], [request, request], 2)
     assert charged == [pytest.approx(0.01)] and schedule.backoff.length == 1  # one row drafted; not worth it: back off
     rounds.select([looked_up, looked_up], [request, request], 2)
@@ -486,13 +486,13 @@ def test_one_rows_lookup_continuation_alone_is_verified_whole():
     """A round whose one row's tree is a lookup continuation alone (nothing drafted) verifies all of it, as the chain
     route verifies a looked-up continuation, where Algorithm 1 over the per-token lookup rate would cut it; a drafted
     tree and a batch's lookups keep the scheduler's count."""
-    from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.decoding.proposers import RowRequest
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
 
     steep = SPSProfile.from_callable(lambda B: 1 / (1 + 0.5 * (B - 1)))  # each slot adds half a plain step
     rounds = _tree_rounds(DecodingConfig(verify_mode="scheduled", tree_top_k=3), 8, sps=steep)
-    request = TreeRequest(0, torch.tensor([1, 2]), torch.tensor(2), 8, 8, LogitsProcessorList())
+    request = RowRequest(0, torch.tensor([1, 2]), torch.tensor(2), 8, 8, LogitsProcessorList())
     looked_up, drafted = TokenTree(), TokenTree()
     looked_up.add_path([7, 8, 9, 10, 11], [0.3] * 5, "lookup")
     drafted.add_path([7, 8, 9, 10, 11], [0.3] * 5, "draft")
@@ -593,7 +593,7 @@ def test_a_draft_vocabulary_gives_the_same_tree_without_the_full_vocabulary(head
     from transformers.generation import LogitsProcessor
 
     from hf_dspark.decoding.drafting import DraftContext
-    from hf_dspark.decoding.proposers import DraftTreeProposer, TreeRequest
+    from hf_dspark.decoding.proposers import DraftTreeProposer, RowRequest
 
     class Identity(LogitsProcessor):
         def __call__(self, input_ids, scores):
@@ -611,7 +611,7 @@ def test_a_draft_vocabulary_gives_the_same_tree_without_the_full_vocabulary(head
                                                generator=torch.Generator().manual_seed(0)))  # fmt: skip
         ctx.extend(feats, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
         tree = TokenTree()
-        request = TreeRequest(0, torch.tensor([7, 8, 9, 10, 11, 12, 13]), torch.tensor(6), 4, 100, processors)
+        request = RowRequest(0, torch.tensor([7, 8, 9, 10, 11, 12, 13]), torch.tensor(6), 4, 100, processors)
         DraftTreeProposer(draft, ctx, top_k=3).propose([tree], [request])
         trees.append(tree)
     subset, full = trees
@@ -627,14 +627,14 @@ def _drafted_tree(draft, seed: int, top_k: int, budget: int, settled=None, reque
     """One row's tree from ``draft`` (block 6, float64) over a random 6-slot context drawn with ``seed``: anchor 9,
     at most 5 deep, ``budget`` nodes, the schedule's ``settled`` and the request's ``top_k`` if given."""
     from hf_dspark.decoding.drafting import DraftContext
-    from hf_dspark.decoding.proposers import DraftTreeProposer, TreeRequest
+    from hf_dspark.decoding.proposers import DraftTreeProposer, RowRequest
 
     ctx = DraftContext.empty(draft, 1, torch.device("cpu"))
     feats = draft.fuse_context(torch.randn(1, 6, len(draft.config.target_layer_ids) * 32, dtype=torch.float64,
                                            generator=torch.Generator().manual_seed(seed)))  # fmt: skip
     ctx.extend(feats, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
     tree = TokenTree()
-    request = TreeRequest(
+    request = RowRequest(
         0,
         torch.tensor([7, 8, 9]),
         torch.tensor(6),
@@ -690,7 +690,7 @@ def test_expansion_stops_once_the_schedule_cannot_change_its_choice(mode):
     whole tree, over steep and flat verify profiles, and the expansion does stop early on some of them."""
     from functools import partial
 
-    from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.decoding.proposers import RowRequest
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
 
@@ -712,7 +712,7 @@ def test_expansion_stops_once_the_schedule_cannot_change_its_choice(mode):
         settings = DecodingConfig(verify_mode=mode, tree_top_k=top_k, verify_limit=24, confidence_threshold=threshold)
         rounds = _tree_rounds(settings, 6, sps=SPSProfile.from_callable(sps), drafting=0.02)
         schedule = rounds.schedule
-        request = TreeRequest(0, torch.tensor([7, 8, 9]), torch.tensor(6), 5, 24, LogitsProcessorList())
+        request = RowRequest(0, torch.tensor([7, 8, 9]), torch.tensor(6), 5, 24, LogitsProcessorList())
         whole = drafted(seed, top_k)
         early = drafted(seed, top_k, partial(schedule.settled, 1, 5))
         chosen = rounds.select([whole], [request], 1)[0]
@@ -729,12 +729,12 @@ def test_a_settled_choice_holds_whatever_deeper_nodes_join():
     grow past a drop."""
     import random
 
-    from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.decoding.proposers import RowRequest
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
 
     rng = random.Random(0)
-    request = TreeRequest(0, torch.tensor([7]), torch.tensor(1), 8, 16, LogitsProcessorList())
+    request = RowRequest(0, torch.tensor([7]), torch.tensor(1), 8, 16, LogitsProcessorList())
     settled_count = {"threshold": 0, "scheduled": 0, "lookahead": 0}
     for trial in range(900):
         tree, frontier = TokenTree(), [-1]
@@ -797,7 +797,7 @@ def test_a_batch_prices_its_tree_drafting_once_a_round():
     """The rows of a batch share the backbone pass, so a round of trees is priced at the batch's drafting cost, once:
     the schedule's count is Algorithm 1's over the summed values with that cost, and a round that one row's cost
     times R would have called a loss (backing off from drafting) is kept."""
-    from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.decoding.proposers import RowRequest
     from hf_dspark.scheduling.modes import choose_tree_nodes
     from hf_dspark.scheduling.policy import SPSProfile
     from hf_dspark.settings import DecodingConfig
@@ -811,7 +811,7 @@ def test_a_batch_prices_its_tree_drafting_once_a_round():
         tree.add(-1, 20 + r, 0.3, "draft")
         tree.add(node, 30 + r, 0.7, "draft", top=True)
         trees.append(tree)
-        requests.append(TreeRequest(r, torch.tensor([5]), torch.tensor(1), 4, 8, LogitsProcessorList()))
+        requests.append(RowRequest(r, torch.tensor([5]), torch.tensor(1), 4, 8, LogitsProcessorList()))
     drafting = 0.02  # the whole batch's round
     rounds = _tree_rounds(settings, 4, sps=sps, drafting=drafting)
     schedule = rounds.schedule
@@ -850,7 +850,7 @@ def test_a_batch_expands_each_row_as_if_it_were_drafted_alone(processors):
     row's tree as drafting that row alone does: same token paths, values and confidences, with rows of
     different depths, budgets, early stops and histories (and the call's logits processors on each node's path)."""
     from hf_dspark.decoding.drafting import DraftContext
-    from hf_dspark.decoding.proposers import DraftTreeProposer, TreeRequest
+    from hf_dspark.decoding.proposers import DraftTreeProposer, RowRequest
 
     target = tiny_target("llama", dtype=torch.float64)
     draft = DSparkDraftModel.from_target(target, block_size=6, head_rank=8)
@@ -863,7 +863,7 @@ def test_a_batch_expands_each_row_as_if_it_were_drafted_alone(processors):
     rows = [([7, 8, 9], 5, 40), ([3, 4], 2, 40), ([11, 5, 6, 2], 5, 3)]
 
     def requests(indices):
-        return [TreeRequest(r, torch.tensor(rows[r][0]), torch.tensor(6), rows[r][1], rows[r][2], chosen)
+        return [RowRequest(r, torch.tensor(rows[r][0]), torch.tensor(6), rows[r][1], rows[r][2], chosen)
                 for r in indices]  # fmt: skip
 
     def context(indices):
@@ -905,7 +905,7 @@ def test_a_narrowed_request_drafts_the_drafts_chain():
 
 def _two_branch_trees(rows: int, branch: float, sure: float = 0.9) -> tuple[list[TokenTree], list]:
     """``rows`` trees with a chain (``sure``, then ``sure`` of that) and a second child at depth 1 worth ``branch``."""
-    from hf_dspark.decoding.proposers import TreeRequest
+    from hf_dspark.decoding.proposers import RowRequest
 
     trees, requests = [], []
     for r in range(rows):
@@ -914,7 +914,7 @@ def _two_branch_trees(rows: int, branch: float, sure: float = 0.9) -> tuple[list
         tree.add(node, 30 + r, sure, "draft", top=True)
         tree.add(-1, 20 + r, branch, "draft")
         trees.append(tree)
-        requests.append(TreeRequest(r, torch.tensor([5]), torch.tensor(1), 4, 8, LogitsProcessorList()))
+        requests.append(RowRequest(r, torch.tensor([5]), torch.tensor(1), 4, 8, LogitsProcessorList()))
     return trees, requests
 
 

@@ -1,90 +1,48 @@
 """Chain rounds: each row verifies one drafted block (or, alone in the batch, a lookup continuation).
 
-ChainRounds.plan     what each row may verify this round: lookups, length caps, back-off, the column planner
-draft_block          (drafting.py) the drafted block, ended where the plan closes
-ChainRounds.lengths  the verify lengths from the block's confidences; back-off for the rounds that follow
-row_proposals        what each row verifies: its drafted block cut to its length, or its lookup continuation
-chain_round          one round: the above in order, then every row's chain (a tree of width one) through the one
-                     verify (verification.py): one forward, exact walks, both caches keep the accepted paths
+    ChainRounds.requests  what each row may verify this round: its room, whether the round drafts, the column plan
+    propose               (proposers.py) the lookup's continuation, then one drafted block for the rows left
+    ChainRounds.choose    the verify lengths from the block's confidences; each row's chain (a tree of width one)
+    ChainRounds.observe   the stats, the recalibration, the lookup's rate and width
 
-What carries over between rounds (prices, back-off, recalibration, the observed costs) is the call's
-:class:`~hf_dspark.scheduling.chains.ChainSchedule`, pure and apart; this module drafts, looks up and verifies.
+The round itself is the loop's one round (``loop.play_round``), shared with tree rounds: propose, choose, one
+verify (verification.py), observe. What carries over between rounds (prices, back-off, recalibration, the observed
+costs) is the call's :class:`~hf_dspark.scheduling.chains.ChainSchedule`, pure and apart.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..scheduling.chains import ChainSchedule
-from ..scheduling.policy import ColumnPlan, width_buckets
+from ..scheduling.policy import width_buckets
 from ..scheduling.recalibration import AcceptanceRecalibration
 from ..settings import MAX_VERIFY_WIDTH, DecodingConfig
 from .costs import PricedRounds, observed_rounds, round_prices
-from .drafting import Proposal, draft_block
-from .lookup import LookupProposer, one_hot_probs
+from .drafting import DraftContext
+from .lookup import LookupProposer
+from .proposers import DraftBlockProposer, Proposer, RowRequest
 from .state import Call, DecodeState
-from .tree import VerifiedTree
-from .verification import verify
-
-
-@dataclass
-class RoundPlan:
-    """What each row may verify this round: ``caps`` [R] bound its draft tokens (0: finished, backing off, or
-    looked up), ``looked_up`` maps rows to the lookup continuation they verify instead, and ``planner`` (when the
-    mode plans column by column) closes the verify lengths as the draft's slots come."""
-
-    caps: list[int]
-    looked_up: dict[int, torch.Tensor]
-    planner: ColumnPlan | None
-
-    @property
-    def max_tokens(self) -> int:
-        return max(self.caps)
-
-
-@dataclass
-class RowProposal:
-    """What one row verifies this round: ``tokens`` [ℓ], their proposal distribution ``probs`` [ℓ, V] (sampling
-    only; one-hot for a lookup continuation) and the draft's ``confidences`` (ℓ floats) for a drafted block, None for
-    a lookup continuation, which neither the recalibration nor the stats count as drafted."""
-
-    tokens: torch.Tensor
-    probs: torch.Tensor | None
-    confidences: list[float] | None
-    looked_up: bool = False
-
-
-def row_proposals(
-    plan: RoundPlan, proposal: Proposal, lengths: list[int], vocab_size: int, do_sample: bool
-) -> list[RowProposal]:
-    """Each row's proposal for this round (``lengths`` [R]: tokens it verifies): the one place where drafted blocks
-    and lookup continuations meet; verification, acceptance and the schedule read only the result."""
-    confidences = proposal.confidences.tolist() if proposal.confidences is not None else None  # one transfer
-    rows = []
-    for r, ell in enumerate(lengths):
-        found = plan.looked_up.get(r)
-        if found is not None:  # a deterministic proposal: q is one-hot (greedy needs no q)
-            rows.append(RowProposal(found, one_hot_probs(found, vocab_size) if do_sample else None, None, True))
-            continue
-        q = proposal.probs[r, :ell] if proposal.probs is not None else None
-        rows.append(RowProposal(proposal.tokens[r, :ell], q, None if confidences is None else confidences[r][:ell]))
-    return rows
+from .tree import ChainCandidate, VerifiedTree
+from .verify import Walk
 
 
 @dataclass
 class ChainRounds(PricedRounds):
     """A call's chain rounds: what each row may verify (room, ``verify_limit``, lookup continuations), priced and
     chosen by the call's :class:`~hf_dspark.scheduling.chains.ChainSchedule`, which carries the state between
-    rounds (back-off, recalibration, observed costs)."""
+    rounds (back-off, recalibration, observed costs). ``drafter``: the proposer of the drafted block (None: the
+    rounds only look up, or only price); the lookup, when the settings ask for it, proposes first."""
 
     settings: DecodingConfig
     draft_tokens: int  # the draft's tokens per block (``num_draft_tokens``)
+    drafter: Proposer | None = None
     schedule: ChainSchedule = field(init=False)  # made from the settings
     lookup: LookupProposer | None = field(init=False)  # the call's lookup drafting (``lookup_max_ngram`` > 0)
     drafted_limit: int = field(init=False)  # the most draft tokens a row verifies: γ within ``verify_limit``
+    empty = ChainCandidate  # a row's candidates start as an empty chain
 
     def __post_init__(self):
         s = self.settings
@@ -99,6 +57,10 @@ class ChainRounds(PricedRounds):
         self.schedule = ChainSchedule(s.verify_mode, s.verify_layout, s.confidence_threshold, s.greedy_lookahead,
                                       recalibration, buckets)  # fmt: skip
 
+    @property
+    def proposers(self) -> list[Proposer]:
+        return [p for p in (self.lookup, self.drafter) if p is not None]
+
     def price(self, call: Call, rows: int, measured_rows: int | None = None) -> None:
         """Price verifies of ``rows`` batch rows (with the profile measured for ``measured_rows``, default
         ``rows``); with measured costs (no ``draft.sps_profile``) and ``cost_recalibration``, also time the call's
@@ -109,68 +71,71 @@ class ChainRounds(PricedRounds):
             self.schedule.set_prices(sps, drafting, rows)
             self.schedule.observed = observed_rounds(self.observed, call.draft, self.settings.cost_recalibration)
 
-    def plan(self, state: DecodeState, max_length: int) -> RoundPlan:
-        # a row whose recent tokens repeat earlier ones verifies what followed them instead of a drafted block, when
-        # it is the only row running: in a batch every row shares the verify block's width, and lookups, which no
-        # plan prices, widened it past what the scheduler pays for (R = 4: 58 tok/s against 67 scheduled)
-        alone = self.lookup is not None and len(state.active) == 1
-        looked_up = self.lookups(state, max_length) if alone else {}
-        caps = self.schedule.caps(state.room(self.drafted_limit, max_length), looked_up)
-        return RoundPlan(caps, looked_up, self.schedule.planner(caps))
+    def requests(self, state: DecodeState, max_length: int, processors, sample: bool = False) -> list[RowRequest]:
+        """One request per batch row, finished rows included (their room is 0: the drafted block keeps a row for
+        each): room within the drafted limit, whether the round drafts (not backed off), the schedule's column
+        plan, and the lookup's depth. A row looks up only when it runs alone: in a batch every row shares the verify
+        block's width, and lookups, which no plan prices, widened it past what the scheduler pays for (R = 4: 58
+        tok/s against 67 scheduled)."""
+        room = state.room(self.drafted_limit, max_length)
+        lookup_room = [0] * state.size
+        if self.lookup is not None and len(state.active) == 1:
+            limit = self.lookup.width
+            if self.settings.verify_limit is not None:
+                limit = min(limit, self.settings.verify_limit)
+            lookup_room = state.room(limit, max_length)
+        draft = self.schedule.start_round()
+        plan = self.schedule.planner
+        return [
+            RowRequest(r, state.history(r), state.anchor_positions[r], room[r], self.drafted_limit, processors,
+                       draft=draft, sample=sample, lookup_depth=lookup_room[r], plan=plan)
+            for r in range(state.size)
+        ]  # fmt: skip
 
-    def lookups(self, state: DecodeState, max_length: int) -> dict[int, torch.Tensor]:
-        """{row: the lookup continuation it verifies this round} for the rows whose last n-gram occurred earlier:
-        at most the lookup's width, within ``verify_limit`` and the room left before ``max_length``."""
-        limit = self.lookup.width
-        if self.settings.verify_limit is not None:
-            limit = min(limit, self.settings.verify_limit)
-        room, found = state.room(limit, max_length), {}
-        for r in state.active:
-            tokens = self.lookup.continuation(state.history(r), room[r])
-            if tokens.numel():
-                found[r] = tokens
-        return found
+    def choose(
+        self, call: Call, candidates: list[ChainCandidate], requests: list[RowRequest], state: DecodeState
+    ) -> list[VerifiedTree | None]:
+        """Each active row's chain: its drafted block cut to the length the schedule chose
+        (:meth:`ChainSchedule.lengths`), or its whole lookup continuation; None for a finished row."""
+        block = candidates[0].block  # the batch's, from the drafted block's one pass (shared by every row)
+        looked_up = {c.row: len(c) for c in candidates if c.looked_up}
+        caps = [c.cap for c in candidates]
+        lengths = self.schedule.lengths(caps, block.planner, block.confidences, state.active, looked_up)
+        confidences = block.confidences.tolist() if block.confidences is not None else None  # one transfer
+        active, sample = set(state.active), call.rules.do_sample
+        verified = []
+        for c in candidates:
+            c.settle(lengths[c.row], confidences, call.vocab_size, sample)
+            verified.append(VerifiedTree.chain(c.tokens, c.probs) if c.row in active else None)
+        return verified
 
-    def lengths(self, plan: RoundPlan, proposal: Proposal, state: DecodeState) -> list[int]:
-        """Tokens each row verifies (:meth:`ChainSchedule.lengths`): a looked-up row its whole continuation."""
-        looked_up = {r: tokens.shape[0] for r, tokens in plan.looked_up.items()}
-        return self.schedule.lengths(plan.caps, plan.planner, proposal.confidences, state.active, looked_up)
-
-    def observe(self, rows: list[RowProposal], accepted: list[int]) -> None:
-        """After a verify (``accepted`` [R]: each row's accepted candidates): each drafted row's acceptance feeds
-        the recalibration, a looked-up row's the lookup's rate and width."""
-        self.schedule.observe([row.confidences for row in rows], accepted)
-        for r, row in enumerate(rows):
-            if row.looked_up:
-                ell = row.tokens.shape[0]
-                self.lookup.observe(min(accepted[r] + 1, ell), accepted[r])
-                self.lookup.observe_width(ell, accepted[r])
+    def observe(
+        self,
+        call: Call,
+        candidates: list[ChainCandidate],
+        requests: list[RowRequest],
+        verified: list[VerifiedTree | None],
+        walks: list[Walk | None],
+    ) -> None:
+        """After the verify: each verified row's stats; each drafted row's acceptance feeds the recalibration, a
+        looked-up row's the lookup's rate and width."""
+        stats = call.outputs.stats
+        accepted = [0 if walk is None else len(walk.slots) for walk in walks]
+        for c in candidates:
+            if verified[c.row] is not None:
+                stats.record(len(c), accepted[c.row], walks[c.row].committed, c.confidences, looked_up=c.looked_up)
+        self.schedule.observe([c.confidences for c in candidates], accepted)
+        for c in candidates:
+            if c.looked_up:
+                ell = len(c)
+                self.lookup.observe(min(accepted[c.row] + 1, ell), accepted[c.row])
+                self.lookup.observe_width(ell, accepted[c.row])
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` [R'] of the schedule's remembered confidences (after :meth:`DecodeState.compact`)."""
         self.schedule.keep_rows(index)
 
-    def round(self, call: Call, state: DecodeState) -> None:
-        chain_round(call, self, state)
 
-
-def chain_round(call: Call, rounds: ChainRounds, state: DecodeState) -> None:
-    """One chain round: plan, draft, choose lengths, then each active row's chain through the one verify
-    (:func:`~hf_dspark.decoding.verification.verify`: one forward, exact walks, both caches keep the paths)."""
-    start, rules, stats, active = time.perf_counter(), call.rules, call.outputs.stats, state.active
-    plan = rounds.plan(state, call.max_length)
-    proposal = draft_block(
-        call.draft, *state.draft_inputs(), plan.max_tokens, rules.processors, rules.do_sample, plan.planner
-    )
-    lengths = rounds.lengths(plan, proposal, state)
-    stats.verify_rounds.append([lengths[r] for r in active])
-    rows = row_proposals(plan, proposal, lengths, call.vocab_size, rules.do_sample)
-    chains = [VerifiedTree.chain(row.tokens, row.probs) if r in active else None for r, row in enumerate(rows)]
-    walks = verify(call, state, chains, rounds.buckets)
-    accepted = [0 if walk is None else len(walk.slots) for walk in walks]
-    for r in active:
-        row = rows[r]
-        stats.record(row.tokens.shape[0], accepted[r], walks[r].committed, row.confidences, looked_up=row.looked_up)
-    rounds.observe(rows, accepted)
-    if state.active:
-        rounds.time_round(time.perf_counter() - start)  # acceptance read the logits on the host: it is done
+def chain_schedule(draft, settings: DecodingConfig, context: DraftContext) -> ChainRounds:
+    """The call's :class:`ChainRounds`, its drafted blocks read from the call's draft ``context``."""
+    return ChainRounds(settings, draft.config.num_draft_tokens, DraftBlockProposer(draft, context))

@@ -124,7 +124,7 @@ def tree_draft_seconds(draft: DSparkDraftModel, top_k: int, rows: int = 1, conte
     backbone pass over the batch, then the head at every node of each row's tree expanded to the block's full
     depth (``top_k`` children per node). Measured like :func:`draft_seconds` once per setting. A batch's rounds
     share the backbone, so this is far less than ``rows`` times one row's cost."""
-    from .proposers import DraftTreeProposer, TreeRequest
+    from .proposers import DraftTreeProposer, RowRequest
     from .tree import TokenTree
 
     device = draft.device
@@ -140,7 +140,7 @@ def tree_draft_seconds(draft: DSparkDraftModel, top_k: int, rows: int = 1, conte
         # an unbounded budget: no early stop, the cost of the deepest trees this setting drafts
         anchor, position = torch.zeros(1, dtype=torch.long, device=device), torch.tensor(context, device=device)
         requests = [
-            TreeRequest(r, anchor, position, c.num_draft_tokens, 10**6, LogitsProcessorList()) for r in range(rows)
+            RowRequest(r, anchor, position, c.num_draft_tokens, 10**6, LogitsProcessorList()) for r in range(rows)
         ]
         table[key] = _median_seconds(lambda: proposer.propose([TokenTree() for _ in requests], requests), device, reps)
     return table[key]
@@ -311,8 +311,12 @@ class PricedRounds:
     """What the chain and tree rounds share: the call's ``settings`` and its ``schedule`` (a
     :class:`~hf_dspark.scheduling.chains.ChainSchedule` or :class:`~hf_dspark.scheduling.trees.TreeSchedule`), whether
     the mode prices its rounds, the widths verifies pad to, and each round's wall time against its price
-    (``observed``, with measured costs). The loop drives either through three methods: ``price(call, rows)`` (before
-    the first round and after the batch shrinks), ``round(call, state)`` and ``keep_rows(index)`` (after
+    (``observed``, with measured costs). The loop's one round (``loop.play_round``) drives either through one
+    interface: ``requests(state, max_length, processors, sample)`` (a :class:`~hf_dspark.decoding.proposers.RowRequest`
+    per row), ``proposers`` (run in order over a fresh ``empty()`` candidate set per request),
+    ``choose(call, candidates, requests, state)`` (each batch row's :class:`~hf_dspark.decoding.tree.VerifiedTree`, None
+    when finished) and ``observe(call, candidates, requests, verified, walks)``; between rounds, ``price(call, rows)``
+    (before the first round and after the batch shrinks) and ``keep_rows(index)`` (after
     :meth:`~hf_dspark.decoding.state.DecodeState.compact`)."""
 
     settings: DecodingConfig

@@ -86,6 +86,7 @@ class Proposal:
     tokens: torch.Tensor
     probs: torch.Tensor | None
     confidences: torch.Tensor | None
+    planner: ColumnPlan | None = None  # the column plan that ended the block, when the schedule planned it
 
 
 def layer_outputs(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> list[torch.Tensor]:

@@ -87,12 +87,14 @@ class LookupProposer:
         """history [T] -> the continuation [k ≤ min(width, room)] (empty: no earlier occurrence, or no room)."""
         return lookup_continuation(history, self.max_ngram, self.min_ngram, min(self.width, room))
 
-    def propose(self, trees: list, requests: list) -> None:
-        """Each request's continuation as a branch of its tree (a :class:`~hf_dspark.decoding.proposers.Proposer`)."""
-        for tree, request in zip(trees, requests, strict=True):
-            found = self.continuation(request.history, request.max_depth)
+    def propose(self, candidates: list, requests: list) -> None:
+        """Each request's continuation (at most its ``lookup_depth``, default its ``max_depth``) into its row's
+        candidates, each token valued at the observed rate (a :class:`~hf_dspark.decoding.proposers.Proposer`)."""
+        for candidate, request in zip(candidates, requests, strict=True):
+            depth = request.max_depth if request.lookup_depth is None else request.lookup_depth
+            found = self.continuation(request.history, depth)
             if found.numel():
-                tree.add_path(found.tolist(), [self.rate] * found.shape[0], "lookup")
+                candidate.add_continuation(found, self.rate, "lookup")
 
     def observe(self, reached: int, accepted: int) -> None:
         """``reached`` looked-up tokens whose parent was on the accepted path, ``accepted`` of them kept."""

@@ -3,17 +3,20 @@
     prefill          (state.py) the prompt through the target -> the decode state (first token, both caches)
     call_settings    what this call decodes with: the draft's settings or the call's, adjusted for sampling
     schedule         the call's rounds: token trees (tree_rounds.py) or chains (chain.py), priced for the batch
+    play_round       one round, chains or trees: propose, choose, verify in one forward, observe
     dspark_decode    prefill, then one round after another until every row has stopped
 
-A round is one method, ``schedule.round(call, state)``: the schedule asks its proposers for candidates, chooses
-what each row verifies, verifies every row in one target forward, accepts exactly and advances both caches
-(:mod:`hf_dspark.decoding.state` states the invariant between rounds). Rows that finish leave the batch
-(``compact``) so they stop costing verify and draft work.
+A round asks the call's rounds (:class:`~hf_dspark.decoding.costs.PricedRounds`: chains or trees) what each row
+requests, runs their proposers, lets their schedule choose what each row verifies, verifies every row in one target
+forward, accepts exactly and advances both caches (:mod:`hf_dspark.decoding.state` states the invariant between
+rounds), then shows them what was accepted. Rows that finish leave the batch (``compact``) so they stop costing
+verify and draft work.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,13 +25,15 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..model.modeling_dspark import DSparkDraftModel
 from ..settings import DecodingConfig
-from .chain import ChainRounds
+from .chain import chain_schedule
 from .checks import check_cache, check_settings_fit, check_supported
 from .costs import PricedRounds, profile_rows
 from .drafting import LayerTap
+from .proposers import propose
 from .state import Call, DecodeState, Outputs, Rules, prefill
 from .stats import DSparkStats
 from .tree_rounds import tree_schedule
+from .verification import verify
 from .versions import CACHE_FIELD, cache_from
 
 
@@ -56,9 +61,24 @@ def schedule(call: Call, settings: DecodingConfig, state: DecodeState) -> Priced
     them (else the reason is in the stats), chains otherwise."""
     draft, stats = call.draft, call.outputs.stats
     rounds = tree_schedule(draft, call.target, call.cache, settings, stats, state.context)
-    rounds = rounds or ChainRounds(settings, draft.config.num_draft_tokens)
+    rounds = rounds or chain_schedule(draft, settings, state.context)
     rounds.price(call, state.size)
     return rounds
+
+
+def play_round(call: Call, rounds: PricedRounds, state: DecodeState) -> None:
+    """One round for every active row: the rounds' requests, their proposers' candidates, the schedule's choice
+    (each row's chain or tree), the one verify (:func:`~hf_dspark.decoding.verification.verify`: one forward, exact
+    walks, both caches keep the accepted paths), then what the rounds learn from the walks."""
+    start, stats = time.perf_counter(), call.outputs.stats
+    requests = rounds.requests(state, call.max_length, call.rules.processors, call.rules.do_sample)
+    candidates = propose(rounds.proposers, requests, rounds.empty)
+    verified = rounds.choose(call, candidates, requests, state)
+    stats.verify_rounds.append([verified[r].size for r in state.active])
+    walks = verify(call, state, verified, rounds.buckets)
+    rounds.observe(call, candidates, requests, verified, walks)
+    if state.active:
+        rounds.time_round(time.perf_counter() - start)  # acceptance read the logits on the host: it is done
 
 
 @torch.no_grad()
@@ -98,7 +118,7 @@ def dspark_decode(
         rounds = schedule(call, settings, state)
         while state.active:
             stats.round_rows.append([state.rows[r] for r in state.active])
-            rounds.round(call, state)
+            play_round(call, rounds, state)
             if compact and any(state.finished) and state.active:
                 rounds.keep_rows(state.compact())
                 rounds.price(call, state.size, profile_rows(state.size, batch))

@@ -1,11 +1,14 @@
-"""Proposers: where a token tree's candidates come from. Each one adds its continuations to the round's
-:class:`~hf_dspark.decoding.tree.TokenTree` through one method,
+"""Proposers: where a round's candidates come from, for chains and trees alike. Each proposer adds its
+continuations to every row's candidates (a :class:`~hf_dspark.decoding.tree.TokenTree`, or a
+:class:`~hf_dspark.decoding.tree.ChainCandidate` for chain rounds) through one method,
 
-    proposer.propose(tree, request)
+    proposer.propose(candidates, requests)
 
-and :func:`propose_tree` merges them (shared prefixes become one node), so one verify covers all of them. Adding a
-proposer is one class here.
+and :func:`propose` runs a round's proposers in order (a tree merges what they add: shared prefixes become one
+node), so one verify covers all of them. Adding a proposer is one class here and a line where a round lists its
+proposers (``tree_proposers`` below, ``ChainRounds``).
 
+    DraftBlockProposer  one drafted block for the batch (the draft's chain), ended where the schedule's plan closes
     DraftTreeProposer   one backbone pass of the draft, then the sequential head expanded node by node
     LookupProposer      (lookup.py) what followed the last earlier occurrence of the row's recent tokens
 """
@@ -21,21 +24,25 @@ from transformers.generation import LogitsProcessorList
 
 from ..model.kernel_dispatch import fused_temperature, use_kernels
 from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.policy import ColumnPlan
 from ..scheduling.recalibration import AcceptanceRecalibration
-from .drafting import DraftContext, draft_backbone, head_step
+from .drafting import DraftContext, draft_backbone, draft_block, head_step
 from .lookup import LookupProposer
-from .tree import TokenTree
+from .tree import ChainCandidate, TokenTree
 from .verify import process
 
 
 @dataclass
-class TreeRequest:
+class RowRequest:
     """What a round asks of the proposers for one row: the row's index ``row`` in the batch (and in the draft's
-    context), its ``history`` [T] (committed tokens, the anchor last), the anchor's position, the deepest node any
-    proposer may add (``max_depth``: the room left before ``max_length``, within the draft's block), the node budget
-    the round may verify, and the call's logits processors. ``settled(tree, bound, depth)``, when the schedule
-    gives it, says whether the round's choice from ``tree`` is already final: no node still to come, each worth at
-    most ``bound`` and deeper than ``depth``, could change it (a proposer may stop adding nodes then)."""
+    context), its ``history`` [T] (committed tokens, the anchor last), the anchor's position, the deepest node a
+    drafting proposer may add (``max_depth``: the room left before ``max_length``, within the draft's block), the
+    node budget the round may verify, and the call's logits processors. ``lookup_depth``: the deepest a looked-up
+    continuation may go (None: ``max_depth``; a chain round's lookups have their own width, and none in a batch).
+    Two early stops the schedule may give the drafting proposers: ``settled(tree, bound, depth)`` says whether the
+    round's choice from a row's ``tree`` is already final (no node still to come, each worth at most ``bound`` and
+    deeper than ``depth``, could change it); ``plan(caps)`` is a chain round's column plan over the batch's caps
+    [R] (the drafted block may end where it closes)."""
 
     row: int
     history: torch.Tensor
@@ -47,11 +54,39 @@ class TreeRequest:
     top_k: int | None = None  # children per node this round (None: the proposer's own; 1: the schedule narrowed)
     sample: bool = False  # the call samples: a node of width one draws its child from q
     settled: Callable[[TokenTree, float, int], bool] | None = None
+    lookup_depth: int | None = None
+    plan: Callable[[list[int]], ColumnPlan | None] | None = None
 
 
 class Proposer(Protocol):
-    def propose(self, trees: list[TokenTree], requests: list[TreeRequest]) -> None:
-        """Add this proposer's candidates for ``requests[i]``'s row to ``trees[i]``."""
+    def propose(self, candidates: list, requests: list[RowRequest]) -> None:
+        """Add this proposer's candidates for ``requests[i]``'s row to ``candidates[i]`` (a token tree, or a chain
+        candidate: each has ``len`` and ``add_continuation(tokens, edge, source)``)."""
+
+
+@dataclass
+class DraftBlockProposer:
+    """The draft's chain for a chain round: one drafted block for the whole batch
+    (:func:`~hf_dspark.decoding.drafting.draft_block`: one backbone pass, the head slot by slot), each row capped at
+    its request's ``max_depth`` (0 when it does not draft this round or an earlier proposer filled it). The block
+    ends at the first slot where the schedule's column plan (``RowRequest.plan``) closes. A chain round's requests
+    cover every batch row (a finished row's room is 0), so the block keeps one row per batch row."""
+
+    draft: DSparkDraftModel
+    context: DraftContext
+
+    @torch.no_grad()
+    def propose(self, candidates: list[ChainCandidate], requests: list[RowRequest]) -> None:
+        caps = [r.max_depth if r.draft and not len(c) else 0 for c, r in zip(candidates, requests, strict=True)]
+        first = requests[0]
+        planner = first.plan(caps) if first.plan is not None else None
+        histories = [request.history for request in requests]
+        positions = torch.stack([request.anchor_position for request in requests])
+        block = draft_block(self.draft, self.context, histories, positions, max(caps), first.logits_processor,
+                            first.sample, planner)  # fmt: skip
+        block.planner = planner
+        for candidate, request, cap in zip(candidates, requests, caps, strict=True):
+            candidate.block, candidate.row, candidate.cap = block, request.row, cap
 
 
 TREE_BEAM = 4  # parents expanded per depth at most: 8 did not raise τ over 4 at 32 nodes, and doubles the head steps
@@ -84,7 +119,7 @@ class DraftTreeProposer:
     only_empty: bool = False
 
     @torch.no_grad()
-    def propose(self, trees: list[TokenTree], requests: list[TreeRequest]) -> None:
+    def propose(self, trees: list[TokenTree], requests: list[RowRequest]) -> None:
         drafting = [
             i
             for i, request in enumerate(requests)
@@ -117,7 +152,7 @@ class DraftTreeProposer:
     def expand(
         self,
         trees: list[TokenTree],
-        requests: list[TreeRequest],
+        requests: list[RowRequest],
         hidden: torch.Tensor,
         logits: torch.Tensor,
         subset: bool,
@@ -202,7 +237,7 @@ class DraftTreeProposer:
                 state = state[torch.tensor(keep, device=device)]
 
     def draw(
-        self, q: torch.Tensor, q_top: torch.Tensor, x_top: torch.Tensor, requests: list[TreeRequest]
+        self, q: torch.Tensor, q_top: torch.Tensor, x_top: torch.Tensor, requests: list[RowRequest]
     ) -> dict[int, torch.Tensor]:
         """Where the call samples, a frontier node of width one (a tree narrowed to the chain) has its one child
         drawn from the draft's q, as a chain's token is, rather than the top child: acceptance then tests it against
@@ -220,7 +255,7 @@ class DraftTreeProposer:
     def grow(
         self,
         tree: TokenTree,
-        request: TreeRequest,
+        request: RowRequest,
         frontier: list[int],
         edges: torch.Tensor,
         tokens: list[list[int]],
@@ -258,12 +293,13 @@ class DraftTreeProposer:
         return [(node, i, j) for _, node, i, j in kept]
 
 
-def propose_trees(proposers: list[Proposer], requests: list[TreeRequest]) -> list[TokenTree]:
-    """One tree per request with every proposer's candidates for its row, shared prefixes merged."""
-    trees = [TokenTree() for _ in requests]
+def propose(proposers: list[Proposer], requests: list[RowRequest], empty: Callable[[], object] = TokenTree) -> list:
+    """One candidate set per request (``empty()``: a :class:`TokenTree`, or a :class:`ChainCandidate` for chain
+    rounds) with every proposer's candidates for its row, in the proposers' order (a tree merges shared prefixes)."""
+    candidates = [empty() for _ in requests]
     for proposer in proposers:
-        proposer.propose(trees, requests)
-    return trees
+        proposer.propose(candidates, requests)
+    return candidates
 
 
 def tree_proposers(draft, settings, recalibration=None) -> list[Proposer]:

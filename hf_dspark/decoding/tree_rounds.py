@@ -2,18 +2,18 @@
 verify, one forward verifies every row's nodes, each row walks its accepted path exactly.
 
     TreeRounds.requests  what each row asks of the proposers this round (drafting or backing off, narrowed or not)
-    propose_trees        (proposers.py) every proposer's candidates, shared prefixes merged
-    TreeRounds.select    the nodes each row verifies: the mode's count of its ranked nodes; back-off, narrowing
-    tree_round           one round: the above, then the one verify (verification.py) of every row's nodes
+    propose              (proposers.py) every proposer's candidates, shared prefixes merged into one tree a row
+    TreeRounds.choose    the nodes each row verifies: the mode's count of its ranked nodes; back-off, narrowing
+    TreeRounds.observe   the stats, and what the walks teach the lookup and the recalibration
     tree_schedule        the call's rounds, or None (chains) when it cannot have trees
 
-What carries over between rounds (prices, back-off, narrowing, the observed costs) is the call's
-:class:`~hf_dspark.scheduling.trees.TreeSchedule`, pure and apart; this module proposes, verifies and observes.
+The round itself is the loop's one round (``loop.play_round``), shared with chain rounds: propose, choose, one
+verify (verification.py), observe. What carries over between rounds (prices, back-off, narrowing, the observed
+costs) is the call's :class:`~hf_dspark.scheduling.trees.TreeSchedule`, pure and apart.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -27,11 +27,11 @@ from .checks import tree_refusal
 from .costs import PricedRounds, observed_rounds, sps_profile, tree_draft_seconds
 from .drafting import DraftContext
 from .lookup import LookupProposer
-from .proposers import TreeRequest, propose_trees, tree_proposers
+from .proposers import RowRequest, tree_proposers
 from .state import Call, DecodeState
 from .stats import DSparkStats
 from .tree import TokenTree, VerifiedTree
-from .verification import verify
+from .verify import Walk
 
 
 @dataclass
@@ -48,6 +48,7 @@ class TreeRounds(PricedRounds):
     lookup: LookupProposer | None
     recalibration: AcceptanceRecalibration | None = None  # the draft proposer's, fed here from each walk
     schedule: TreeSchedule = field(init=False)  # made from the settings
+    empty = TokenTree  # a row's candidates start as an empty tree
 
     def __post_init__(self):
         s = self.settings
@@ -72,7 +73,7 @@ class TreeRounds(PricedRounds):
             self.schedule.set_prices(sps, drafting, tree_draft_seconds(draft, 1, measured), rows)
             self.schedule.observed = observed_rounds(self.observed, draft, self.settings.cost_recalibration)
 
-    def requests(self, state: DecodeState, max_length: int, processors, sample: bool = False) -> list[TreeRequest]:
+    def requests(self, state: DecodeState, max_length: int, processors, sample: bool = False) -> list[RowRequest]:
         """One request per generating row (``sample``: the call samples)."""
         room = state.room(max(self.draft_tokens, self.lookup.max_tokens if self.lookup else 0), max_length)
         draft = self.schedule.start_round()
@@ -84,22 +85,47 @@ class TreeRounds(PricedRounds):
         budget = self.budget
         for r in state.active:
             settled = partial(self.schedule.settled, state.size, room[r]) if early else None
-            requests.append(TreeRequest(r, state.history(r), state.anchor_positions[r], room[r], budget,
+            requests.append(RowRequest(r, state.history(r), state.anchor_positions[r], room[r], budget,
                                         processors, draft, top_k, sample, settled))  # fmt: skip
         return requests
 
-    def select(self, trees: list[TokenTree], requests: list[TreeRequest], rows: int) -> list[list[int]]:
+    def select(self, trees: list[TokenTree], requests: list[RowRequest], rows: int) -> list[list[int]]:
         """Each request's verified nodes, parents before children, in a verify padded over ``rows`` batch rows
         (:meth:`TreeSchedule.select`)."""
         return self.schedule.select(trees, [request.max_depth for request in requests], rows)
 
-    def round(self, call: Call, state: DecodeState) -> None:
-        tree_round(call, self, state)
+    def choose(
+        self, call: Call, candidates: list[TokenTree], requests: list[RowRequest], state: DecodeState
+    ) -> list[VerifiedTree | None]:
+        """Each generating row's chosen nodes (:meth:`select`) as its verified tree; None for a finished row."""
+        verified: list[VerifiedTree | None] = [None] * state.size
+        chosen = self.select(candidates, requests, state.size)
+        for request, tree, nodes in zip(requests, candidates, chosen, strict=True):
+            verified[request.row] = VerifiedTree.of(tree, nodes)
+        return verified
+
+    def observe(
+        self,
+        call: Call,
+        candidates: list[TokenTree],
+        requests: list[RowRequest],
+        verified: list[VerifiedTree | None],
+        walks: list[Walk | None],
+    ) -> None:
+        """After the verify: each row's stats (a round counts as looked up when it verified a lookup branch,
+        accepted or not, as the chain route counts it), and what its walk teaches (:meth:`learn`)."""
+        stats = call.outputs.stats
+        stats.narrowed_rounds += any(request.draft and request.top_k == 1 for request in requests)
+        for request in requests:
+            v, result = verified[request.row], walks[request.row]
+            edges = self.learn(v, result.slots)
+            looked_up = any("lookup" in v.tree.sources[node] for node in v.nodes)
+            stats.record(v.size, len(result.slots), result.committed, None, looked_up, v.depth(), edges)
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Nothing per row to keep (the proposers' context is the state's, which compacts itself)."""
 
-    def observe(self, verified: VerifiedTree, path: list[int]) -> list[tuple[float, bool, bool]]:
+    def learn(self, verified: VerifiedTree, path: list[int]) -> list[tuple[float, bool, bool]]:
         """After the walk: the lookup rate learns from the looked-up nodes the walk could have taken. -> the verified
         draft nodes whose parent the walk reached: (edge value, top child, taken), for the stats."""
         tree, on_path = verified.tree, {0, *path}
@@ -129,28 +155,6 @@ class TreeRounds(PricedRounds):
                 taken, slot = taken + 1, slot_of[top[0]]
             recalibration.observe(confidences, taken)
         return edges
-
-
-def tree_round(call: Call, rounds: TreeRounds, state: DecodeState) -> None:
-    """One round of trees: each generating row proposes its tree, the schedule chooses its nodes, and every row's
-    chosen nodes go through the one verify (:func:`~hf_dspark.decoding.verification.verify`: one forward, each
-    row's ancestor mask and depth positions, exact walks, both caches keep exactly the accepted paths)."""
-    start, outputs = time.perf_counter(), call.outputs
-    requests = rounds.requests(state, call.max_length, call.rules.processors, call.rules.do_sample)
-    outputs.stats.narrowed_rounds += any(request.draft and request.top_k == 1 for request in requests)
-    trees = propose_trees(rounds.proposers, requests)
-    chosen = rounds.select(trees, requests, state.size)
-    verified: list[VerifiedTree | None] = [None] * state.size
-    for request, tree, nodes in zip(requests, trees, chosen, strict=True):
-        verified[request.row] = VerifiedTree.of(tree, nodes)
-    outputs.stats.verify_rounds.append([verified[r].size for r in state.active])
-    walks = verify(call, state, verified, rounds.buckets)
-    for request in requests:
-        v, result = verified[request.row], walks[request.row]
-        edges = rounds.observe(v, result.slots)
-        looked_up = any("lookup" in v.tree.sources[node] for node in v.nodes)  # verified, as the chain route counts
-        outputs.stats.record(v.size, len(result.slots), result.committed, None, looked_up, v.depth(), edges)
-    rounds.time_round(time.perf_counter() - start)  # the walks read the logits on the host: the round is done
 
 
 def tree_schedule(

@@ -52,11 +52,10 @@ class ChainSchedule:
         self.drafting = drafting
         self.planning = self.sps.plus_seconds(drafting)
 
-    def caps(self, room: list[int], looked_up: dict[int, int]) -> list[int]:
-        """Draft tokens each row may verify this round (``room`` [R]: its room; ``looked_up``: {row: continuation
-        length} for rows that verify a lookup instead): 0 for looked-up rows, and for all in a round backed off."""
-        sits_out = self.backoff.sit_out()
-        return [0 if sits_out or r in looked_up else room[r] for r in range(len(room))]
+    def start_round(self) -> bool:
+        """A round begins: -> whether it drafts (not backed off); a round that does not is a plain decode step,
+        or verifies a lookup continuation."""
+        return not self.backoff.sit_out()
 
     def planner(self, caps: list[int]) -> ColumnPlan | None:
         """The mode's column plan for rows capped at ``caps`` (drafting may stop where it closes), or ``None`` when
