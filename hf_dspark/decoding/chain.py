@@ -23,9 +23,9 @@ from ..settings import MAX_VERIFY_WIDTH, DecodingConfig
 from .costs import PricedRounds, observed_rounds, round_prices
 from .drafting import DraftContext
 from .lookup import LookupProposer
-from .proposers import DraftBlockProposer, Proposer, RowRequest
+from .proposers import ChainCandidate, DraftBlockProposer, Proposer, RowRequest
 from .state import Call, DecodeState
-from .tree import ChainCandidate, VerifiedTree
+from .tree import VerifiedTree
 from .verify import Walk
 
 
@@ -54,8 +54,8 @@ class ChainRounds(PricedRounds):
             limit = s.verify_limit if s.verify_limit is not None else MAX_VERIFY_WIDTH
             looked_up = min(self.lookup.max_tokens, limit) if self.lookup is not None else 0
             buckets = width_buckets(1 + max(self.drafted_limit, looked_up), 1 + self.drafted_limit)
-        self.schedule = ChainSchedule(s.verify_mode, s.verify_layout, s.confidence_threshold, s.greedy_lookahead,
-                                      recalibration, buckets)  # fmt: skip
+        self.schedule = ChainSchedule(s.verify_mode, s.confidence_threshold, s.greedy_lookahead, buckets,
+                                      layout=s.verify_layout, recalibration=recalibration)  # fmt: skip
 
     @property
     def proposers(self) -> list[Proposer]:

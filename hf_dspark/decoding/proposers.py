@@ -1,6 +1,6 @@
 """Proposers: where a round's candidates come from, for chains and trees alike. Each proposer adds its
 continuations to every row's candidates (a :class:`~hf_dspark.decoding.tree.TokenTree`, or a
-:class:`~hf_dspark.decoding.tree.ChainCandidate` for chain rounds) through one method,
+:class:`ChainCandidate` for chain rounds) through one method,
 
     proposer.propose(candidates, requests)
 
@@ -26,10 +26,47 @@ from ..model.kernel_dispatch import fused_temperature, use_kernels
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.policy import ColumnPlan
 from ..scheduling.recalibration import AcceptanceRecalibration
-from .drafting import DraftContext, draft_backbone, draft_block, head_step
-from .lookup import LookupProposer
-from .tree import ChainCandidate, TokenTree
+from .drafting import DraftContext, Proposal, draft_backbone, draft_block, head_step
+from .lookup import LookupProposer, one_hot_probs
+from .tree import TokenTree
 from .verify import process
+
+
+@dataclass
+class ChainCandidate:
+    """A row's candidates in a chain round: a tree of width one. Either a looked-up continuation (``tokens`` [k],
+    set by :meth:`add_continuation`), or row ``row`` of the batch's drafted ``block`` (a
+    :class:`~hf_dspark.decoding.drafting.Proposal`, shared by the rows), of which the row may verify ``cap`` tokens.
+    Once the schedule chose the row's length, :meth:`settle` keeps what the row verifies: ``tokens`` [ℓ] (on their
+    device), their q ``probs`` [ℓ, V] (sampling; one-hot for a looked-up token) and the draft's ``confidences``
+    (ℓ floats; None for a continuation, which neither the recalibration nor the stats count as drafted)."""
+
+    tokens: torch.Tensor | None = None
+    looked_up: bool = False
+    block: Proposal | None = None
+    row: int = 0
+    cap: int = 0
+    probs: torch.Tensor | None = None
+    confidences: list[float] | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.tokens is None else self.tokens.shape[0]
+
+    def add_continuation(self, tokens: torch.Tensor, edge: float, source: str) -> None:
+        """A proposer's continuation ``tokens`` [k] (a chain holds one: the first proposer's)."""
+        if self.tokens is None:
+            self.tokens, self.looked_up = tokens, True
+
+    def settle(self, length: int, confidences: list[list[float]] | None, vocab_size: int, sample: bool) -> None:
+        """Keep the ``length`` tokens the row verifies (a continuation: all of them); ``confidences``: the block's
+        [R][ℓ], on the host (one transfer for the batch)."""
+        if self.looked_up:  # a deterministic proposal: q is one-hot (greedy needs no q)
+            self.probs = one_hot_probs(self.tokens, vocab_size) if sample else None
+            return
+        block, r = self.block, self.row
+        self.tokens = block.tokens[r, :length]
+        self.probs = block.probs[r, :length] if block.probs is not None else None
+        self.confidences = None if confidences is None else confidences[r][:length]
 
 
 @dataclass

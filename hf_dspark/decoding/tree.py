@@ -18,14 +18,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-
-from .lookup import one_hot_probs
-
-if TYPE_CHECKING:
-    from .drafting import Proposal
 
 
 @dataclass
@@ -118,43 +112,6 @@ class TokenTree:
         parent precedes its children in the verify block."""
         chosen = self.ranked(max_depth)[:budget]
         return sorted(chosen, key=lambda i: (self.depths[i], i))
-
-
-@dataclass
-class ChainCandidate:
-    """A row's candidates in a chain round: a tree of width one. Either a looked-up continuation (``tokens`` [k],
-    set by :meth:`add_continuation`), or row ``row`` of the batch's drafted ``block`` (a
-    :class:`~hf_dspark.decoding.drafting.Proposal`, shared by the rows), of which the row may verify ``cap`` tokens.
-    Once the schedule chose the row's length, :meth:`settle` keeps what the row verifies: ``tokens`` [ℓ] (on their
-    device), their q ``probs`` [ℓ, V] (sampling; one-hot for a looked-up token) and the draft's ``confidences``
-    (ℓ floats; None for a continuation, which neither the recalibration nor the stats count as drafted)."""
-
-    tokens: torch.Tensor | None = None
-    looked_up: bool = False
-    block: Proposal | None = None
-    row: int = 0
-    cap: int = 0
-    probs: torch.Tensor | None = None
-    confidences: list[float] | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.tokens is None else self.tokens.shape[0]
-
-    def add_continuation(self, tokens: torch.Tensor, edge: float, source: str) -> None:
-        """A proposer's continuation ``tokens`` [k] (a chain holds one: the first proposer's)."""
-        if self.tokens is None:
-            self.tokens, self.looked_up = tokens, True
-
-    def settle(self, length: int, confidences: list[list[float]] | None, vocab_size: int, sample: bool) -> None:
-        """Keep the ``length`` tokens the row verifies (a continuation: all of them); ``confidences``: the block's
-        [R][ℓ], on the host (one transfer for the batch)."""
-        if self.looked_up:  # a deterministic proposal: q is one-hot (greedy needs no q)
-            self.probs = one_hot_probs(self.tokens, vocab_size) if sample else None
-            return
-        block, r = self.block, self.row
-        self.tokens = block.tokens[r, :length]
-        self.probs = block.probs[r, :length] if block.probs is not None else None
-        self.confidences = None if confidences is None else confidences[r][:length]
 
 
 @dataclass

@@ -54,7 +54,7 @@ class TreeRounds(PricedRounds):
         s = self.settings
         budget = min(self.draft_tokens * s.tree_top_k, MAX_VERIFY_WIDTH) if s.verify_limit is None else s.verify_limit
         buckets = width_buckets(1 + budget, 1 + self.draft_tokens) if s.verify_buckets else None
-        self.schedule = TreeSchedule(s.verify_mode, s.confidence_threshold, s.greedy_lookahead, budget, buckets)
+        self.schedule = TreeSchedule(s.verify_mode, s.confidence_threshold, s.greedy_lookahead, buckets, budget=budget)
 
     @property
     def budget(self) -> int:
@@ -70,7 +70,7 @@ class TreeRounds(PricedRounds):
         if self.priced:
             sps = sps_profile(draft, call.target, measured, max_width=self.budget + 1)
             drafting = tree_draft_seconds(draft, self.settings.tree_top_k, measured)
-            self.schedule.set_prices(sps, drafting, tree_draft_seconds(draft, 1, measured), rows)
+            self.schedule.set_prices(sps, drafting, rows, tree_draft_seconds(draft, 1, measured))
             self.schedule.observed = observed_rounds(self.observed, draft, self.settings.cost_recalibration)
 
     def requests(self, state: DecodeState, max_length: int, processors, sample: bool = False) -> list[RowRequest]:

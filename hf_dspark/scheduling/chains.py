@@ -1,10 +1,9 @@
 """The chain schedule: how many draft tokens each row verifies, round after round, and when not to draft.
 
-It is the state a call's chain rounds carry between them (the round itself is ``hf_dspark.decoding.chain``):
-the prices it was given, the last rounds' confidences (the asynchronous mode sizes a round from the one two
-rounds back), the back-off from drafting, the per-call recalibration and the rounds' wall time against their
-prices. Like the rest of this package it reads numbers only: the round hands it each row's cap, the draft's
-confidences and what the rows accepted.
+It is the call's :class:`~hf_dspark.scheduling.schedule.Schedule` (prices, back-off, observed costs) with what chain
+rounds add (the rounds are ``hf_dspark.decoding.chain``): the last rounds' confidences (the asynchronous mode sizes a
+round from the one two rounds back), the per-call recalibration and the column planner. Like the rest of this package it
+reads numbers only: the round hands it each row's cap, the draft's confidences and what the rows accepted.
 """
 
 from __future__ import annotations
@@ -13,49 +12,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backoff import Backoff
-from .modes import PRICED_MODES, choose_lengths, column_plan
-from .observed import ObservedRounds, premium
+from .modes import choose_lengths, column_plan
 from .policy import ColumnPlan, SPSProfile, drafting_pays
 from .recalibration import AcceptanceRecalibration
+from .schedule import Schedule
 
 
 @dataclass
-class ChainSchedule:
+class ChainSchedule(Schedule):
     """How many draft tokens each row verifies (verify ``mode`` with its ``layout``, ``threshold`` and greedy
     ``lookahead``), and when not to draft: when a drafted round was not worth its cost in expectation
     (:func:`drafting_pays`: the tokens its plan expected per second of drafting + verifying, against a plain step
-    by the call's observed premium), the next rounds do not draft (``backoff``: doubling, reset by a drafted round
-    that pays). Those rounds are plain decode steps through the same verify, so the output is unchanged."""
+    by the call's observed premium), the next rounds do not draft (the :class:`Schedule`'s back-off). ``drafting``
+    is one draft block's seconds."""
 
-    mode: str
-    layout: str
-    threshold: float
-    lookahead: bool
+    layout: str = "padded"
     recalibration: AcceptanceRecalibration | None = None  # priced modes: the head's confidences, shifted per call
-    buckets: tuple[int, ...] | None = None  # the widths verifies pad to: each width is priced at its bucket's
-    sps: SPSProfile | None = None  # the target's verify steps per second (priced modes)
-    drafting: float = 0.0  # seconds of one draft block
     planning: SPSProfile | None = None  # ``sps`` with the draft block's cost added to every step
     confidences: list[torch.Tensor] = field(default_factory=list)  # the last two drafted rounds' (async: the older)
-    backoff: Backoff = field(default_factory=Backoff)  # rounds that do not draft after a round that did not pay
-    observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
-
-    @property
-    def priced(self) -> bool:
-        return self.mode in PRICED_MODES
 
     def set_prices(self, sps: SPSProfile, drafting: float, rows: int) -> None:
-        """Price verifies of ``rows`` batch rows with ``sps`` (each width at its bucket's cost) and a draft block at
-        ``drafting`` seconds."""
-        self.sps = sps.bucketed(self.buckets, rows)
-        self.drafting = drafting
+        """:meth:`Schedule.set_prices`, and the planners' profile: each step with a draft block's cost added."""
+        super().set_prices(sps, drafting, rows)
         self.planning = self.sps.plus_seconds(drafting)
-
-    def start_round(self) -> bool:
-        """A round begins: -> whether it drafts (not backed off); a round that does not is a plain decode step,
-        or verifies a lookup continuation."""
-        return not self.backoff.sit_out()
 
     def planner(self, caps: list[int]) -> ColumnPlan | None:
         """The mode's column plan for rows capped at ``caps`` (drafting may stop where it closes), or ``None`` when
@@ -85,14 +64,14 @@ class ChainSchedule:
         drafted_round = confidences is not None and confidences.shape[1] > 0
         if self.observed is not None:
             width = 1 + max([lengths[r] for r in active] + list(looked_up.values()))
-            self.observed.expect(drafted_round, 1 / self.sps(rows * width) + self.drafting * drafted_round)
+            self.expect(drafted_round, rows * width, self.drafting if drafted_round else 0.0)
         if drafted_round:
             shifted = confidences if self.recalibration is None else self.recalibration.apply(confidences)
             self.confidences = [*self.confidences[-1:], shifted.cpu()]
             if self.priced:
                 drafted = [r for r in active if r not in looked_up]
                 pays = drafting_pays(self.confidences[-1][drafted], [lengths[r] for r in drafted], rows, self.sps,
-                                     self.drafting, premium(self.observed))  # fmt: skip
+                                     self.drafting, self.premium)  # fmt: skip
                 self.backoff.judge(pays)
         for r, length in looked_up.items():
             lengths[r] = length

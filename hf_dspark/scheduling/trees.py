@@ -1,12 +1,11 @@
-"""The tree schedule: how many nodes of each row's token tree a round verifies, and when not to draft or to draft
-only the chain.
+"""The tree schedule: how many nodes of each row's token tree a round verifies, and when not to draft or to draft only
+the chain.
 
-It is the state a call's tree rounds carry between them (the round itself is ``hf_dspark.decoding.tree_rounds``):
-the prices, the back-off from drafting, the narrowing to the chain and the rounds' wall time against their
-prices. Like the rest of this package it imports nothing of the package: it reads the trees it is shown through
-what every token tree has (``hf_dspark.decoding.tree.TokenTree``): ``ranked(max_depth)`` (node ids, most
-valuable first, parents before children), ``values``, ``depths``, ``parents``, ``top``, ``sources`` and
-``drafted``.
+It is the call's :class:`~hf_dspark.scheduling.schedule.Schedule` (prices, back-off, observed costs) with what tree
+rounds add (the rounds are ``hf_dspark.decoding.tree_rounds``): the node budget and the narrowing to the chain. Like the
+rest of this package it imports nothing of the package: it reads the trees it is shown through what every token tree has
+(``hf_dspark.decoding.tree.TokenTree``): ``ranked(max_depth)`` (node ids, most valuable first, parents before children),
+``values``, ``depths``, ``parents``, ``top``, ``sources`` and ``drafted``.
 """
 
 from __future__ import annotations
@@ -14,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .backoff import Backoff
-from .modes import PRICED_MODES, choose_tree_nodes
-from .observed import ObservedRounds, premium
+from .modes import choose_tree_nodes
 from .policy import SPSProfile, lookahead_tree_settled, tree_rate
+from .schedule import Schedule
 
 
 @dataclass
-class TreeSchedule:
+class TreeSchedule(Schedule):
     """How many of each row's ranked nodes a round verifies (at most ``budget``), and when not to draft.
 
     ``fixed`` verifies each row's most valuable nodes up to the budget; ``threshold`` those worth at least
@@ -29,36 +28,23 @@ class TreeSchedule:
     trees' drafting cost added to every step. In a batch the unit of admission is a rank: the verify is padded to
     the widest row, so the B-th best node of every row is admitted together (summed values), as chains admit
     columns. A drafted round that was not worth a plain step in expectation turns drafting off for some rounds
-    (``backoff``, as for chains); lookup branches, which cost nothing to draft, are still verified then, and the
-    round that drafts again probes with the chain at the chain's cost. A drafted round whose chain alone (the
-    draft's top children, and the lookup branches) at a chain's drafting cost would have been worth more than the
-    tree at a tree's (Θ each, :func:`tree_rate`) narrows the next drafted rounds to the chain (``narrowing``: a
-    back-off, reset by a tree round worth more than its chain): under load a batch's trees shrink to chains, and so
-    does their drafting cost. With ``observed`` costs, a drafted round must beat a plain step by the premium the
-    call's own rounds showed (:class:`~hf_dspark.scheduling.observed.ObservedRounds`)."""
+    (the :class:`Schedule`'s back-off, as for chains); lookup branches, which cost nothing to draft, are still
+    verified then, and the round that drafts again probes with the chain at the chain's cost. A drafted round whose
+    chain alone (the draft's top children, and the lookup branches) at a chain's drafting cost would have been
+    worth more than the tree at a tree's (Θ each, :func:`tree_rate`) narrows the next drafted rounds to the chain
+    (``narrowing``: a back-off, reset by a tree round worth more than its chain): under load a batch's trees shrink
+    to chains, and so does their drafting cost. ``drafting`` is one round's tree drafting for the batch (one
+    backbone pass, every row's head)."""
 
-    mode: str
-    threshold: float
-    lookahead: bool
-    budget: int  # the most nodes a row verifies in a round
-    buckets: tuple[int, ...] | None = None  # the widths verifies pad to: each width is priced at its bucket's
-    sps: SPSProfile | None = None
-    drafting: float = 0.0  # seconds one round's tree drafting costs the batch (one backbone pass, every row's head)
+    budget: int = field(kw_only=True)  # the most nodes a row verifies in a round
     chain_drafting: float | None = None  # seconds of a round that drafts only the chain (None: never narrow)
-    backoff: Backoff = field(default_factory=Backoff)  # rounds that do not draft after a round that did not pay
     narrowing: Backoff = field(default_factory=Backoff)  # drafted rounds that draft the chain instead of the tree
     chain_round: bool = False  # whether this round drafts the chain only (narrowed, or probing after a back-off)
-    observed: ObservedRounds | None = None  # measured costs: the call's rounds as they ran against their prices
 
-    @property
-    def priced(self) -> bool:
-        return self.mode in PRICED_MODES
-
-    def set_prices(self, sps: SPSProfile, drafting: float, chain_drafting: float, rows: int) -> None:
-        """Price verifies of ``rows`` batch rows with ``sps`` (each width at its bucket's cost), a round of tree
-        drafting at ``drafting`` seconds and one of the chain alone at ``chain_drafting``."""
-        self.sps = sps.bucketed(self.buckets, rows)
-        self.drafting, self.chain_drafting = drafting, chain_drafting
+    def set_prices(self, sps: SPSProfile, drafting: float, rows: int, chain_drafting: float | None = None) -> None:
+        """:meth:`Schedule.set_prices`, and a round that drafts only the chain at ``chain_drafting`` seconds."""
+        super().set_prices(sps, drafting, rows)
+        self.chain_drafting = chain_drafting
 
     @property
     def round_drafting(self) -> float:
@@ -66,9 +52,9 @@ class TreeSchedule:
         return self.chain_drafting if self.chain_round else self.drafting
 
     def start_round(self) -> bool:
-        """A round begins: -> whether it drafts (not backed off); sets whether it drafts only the chain (narrowed,
-        or the probe after a back-off, which tries drafting again at the chain's cost)."""
-        draft = not self.backoff.sit_out()
+        """A round begins: -> whether it drafts (:meth:`Schedule.start_round`); sets whether it drafts only the chain
+        (narrowed, or the probe after a back-off, which tries drafting again at the chain's cost)."""
+        draft = super().start_round()
         self.chain_round = (
             draft and bool(self.narrowing.left or self.backoff.length) and self.chain_drafting is not None
         )
@@ -86,7 +72,7 @@ class TreeSchedule:
         """:meth:`count` for a priced round drafted at ``drafting`` seconds; whether it pays is judged against a
         plain step by the premium the call's rounds showed (1 before any, or with a profile the user set)."""
         return choose_tree_nodes(self.mode, values, self.sps, self.threshold, drafting, rows, generating,
-                                 self.lookahead, premium(self.observed))  # fmt: skip
+                                 self.lookahead, self.premium)  # fmt: skip
 
     def settled(self, rows: int, max_depth: int, tree, bound: float, depth: int) -> bool:
         """Whether one generating row's choice from the drafted ``tree`` is final while nodes are still to come,
@@ -127,9 +113,7 @@ class TreeSchedule:
             else:
                 count, pays = self.count(summed, rows, len(trees), drafted)
             counts = [count] * len(ranked)
-            if self.observed is not None:
-                drafting = self.round_drafting if drafted else 0.0
-                self.observed.expect(drafted, 1 / self.sps(rows * (1 + count)) + drafting)
+            self.expect(drafted, rows * (1 + count), self.round_drafting if drafted else 0.0)
             if drafted:  # back off when this drafted round is not worth a plain step in expectation
                 if self.chain_round:  # nothing to weigh: it drafted no branches
                     self.narrowing.sit_out()
