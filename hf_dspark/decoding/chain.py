@@ -33,8 +33,9 @@ from .verify import Walk
 class ChainRounds(PricedRounds):
     """A call's chain rounds: what each row may verify (room, ``verify_limit``, lookup continuations), priced and
     chosen by the call's :class:`~hf_dspark.scheduling.chains.ChainSchedule`, which carries the state between
-    rounds (back-off, recalibration, observed costs). ``drafter``: the proposer of the drafted block (None: the
-    rounds only look up, or only price); the lookup, when the settings ask for it, proposes first."""
+    rounds (back-off, recalibration, observed costs). ``drafter``: the proposer of the drafted block
+    (:func:`chain_schedule` gives the draft's; None only for rounds that are priced, never run); the lookup, when
+    the settings ask for it, proposes first."""
 
     settings: DecodingConfig
     draft_tokens: int  # the draft's tokens per block (``num_draft_tokens``)
@@ -98,15 +99,15 @@ class ChainRounds(PricedRounds):
         """Each active row's chain: its drafted block cut to the length the schedule chose
         (:meth:`ChainSchedule.lengths`), or its whole lookup continuation; None for a finished row."""
         block = candidates[0].block  # the batch's, from the drafted block's one pass (shared by every row)
-        looked_up = {c.row: len(c) for c in candidates if c.looked_up}
-        caps = [c.cap for c in candidates]
+        looked_up = {request.row: len(c) for request, c in zip(requests, candidates, strict=True) if c.looked_up}
+        caps = [c.cap for c in candidates]  # a chain round's requests are the batch's rows, in order
         lengths = self.schedule.lengths(caps, block.planner, block.confidences, state.active, looked_up)
         confidences = block.confidences.tolist() if block.confidences is not None else None  # one transfer
         active, sample = set(state.active), call.rules.do_sample
         verified = []
-        for c in candidates:
-            c.settle(lengths[c.row], confidences, call.vocab_size, sample)
-            verified.append(VerifiedTree.chain(c.tokens, c.probs) if c.row in active else None)
+        for request, c in zip(requests, candidates, strict=True):
+            c.settle(request.row, lengths[request.row], confidences, call.vocab_size, sample)
+            verified.append(VerifiedTree.chain(c.tokens, c.probs) if request.row in active else None)
         return verified
 
     def observe(
@@ -121,15 +122,16 @@ class ChainRounds(PricedRounds):
         looked-up row's the lookup's rate and width."""
         stats = call.outputs.stats
         accepted = [0 if walk is None else len(walk.slots) for walk in walks]
-        for c in candidates:
-            if verified[c.row] is not None:
-                stats.record(len(c), accepted[c.row], walks[c.row].committed, c.confidences, looked_up=c.looked_up)
+        for request, c in zip(requests, candidates, strict=True):
+            r = request.row
+            if verified[r] is not None:
+                stats.record(len(c), accepted[r], walks[r].committed, c.confidences, looked_up=c.looked_up)
         self.schedule.observe([c.confidences for c in candidates], accepted)
-        for c in candidates:
+        for request, c in zip(requests, candidates, strict=True):
             if c.looked_up:
-                ell = len(c)
-                self.lookup.observe(min(accepted[c.row] + 1, ell), accepted[c.row])
-                self.lookup.observe_width(ell, accepted[c.row])
+                ell, r = len(c), request.row
+                self.lookup.observe(min(accepted[r] + 1, ell), accepted[r])
+                self.lookup.observe_width(ell, accepted[r])
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` [R'] of the schedule's remembered confidences (after :meth:`DecodeState.compact`)."""

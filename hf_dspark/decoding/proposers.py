@@ -35,8 +35,8 @@ from .verify import process
 @dataclass
 class ChainCandidate:
     """A row's candidates in a chain round: a tree of width one. Either a looked-up continuation (``tokens`` [k],
-    set by :meth:`add_continuation`), or row ``row`` of the batch's drafted ``block`` (a
-    :class:`~hf_dspark.decoding.drafting.Proposal`, shared by the rows), of which the row may verify ``cap`` tokens.
+    set by :meth:`add_continuation`), or its row of the batch's drafted ``block`` (a
+    :class:`~hf_dspark.decoding.drafting.Proposal`, shared by the rows), of which it may verify ``cap`` tokens.
     Once the schedule chose the row's length, :meth:`settle` keeps what the row verifies: ``tokens`` [ℓ] (on their
     device), their q ``probs`` [ℓ, V] (sampling; one-hot for a looked-up token) and the draft's ``confidences``
     (ℓ floats; None for a continuation, which neither the recalibration nor the stats count as drafted)."""
@@ -44,7 +44,6 @@ class ChainCandidate:
     tokens: torch.Tensor | None = None
     looked_up: bool = False
     block: Proposal | None = None
-    row: int = 0
     cap: int = 0
     probs: torch.Tensor | None = None
     confidences: list[float] | None = None
@@ -57,13 +56,15 @@ class ChainCandidate:
         if self.tokens is None:
             self.tokens, self.looked_up = tokens, True
 
-    def settle(self, length: int, confidences: list[list[float]] | None, vocab_size: int, sample: bool) -> None:
-        """Keep the ``length`` tokens the row verifies (a continuation: all of them); ``confidences``: the block's
-        [R][ℓ], on the host (one transfer for the batch)."""
+    def settle(
+        self, row: int, length: int, confidences: list[list[float]] | None, vocab_size: int, sample: bool
+    ) -> None:
+        """Keep the ``length`` tokens batch row ``row`` verifies (a continuation: all of them); ``confidences``: the
+        block's [R][ℓ], on the host (one transfer for the batch)."""
         if self.looked_up:  # a deterministic proposal: q is one-hot (greedy needs no q)
             self.probs = one_hot_probs(self.tokens, vocab_size) if sample else None
             return
-        block, r = self.block, self.row
+        block, r = self.block, row
         self.tokens = block.tokens[r, :length]
         self.probs = block.probs[r, :length] if block.probs is not None else None
         self.confidences = None if confidences is None else confidences[r][:length]
@@ -122,8 +123,8 @@ class DraftBlockProposer:
         block = draft_block(self.draft, self.context, histories, positions, max(caps), first.logits_processor,
                             first.sample, planner)  # fmt: skip
         block.planner = planner
-        for candidate, request, cap in zip(candidates, requests, caps, strict=True):
-            candidate.block, candidate.row, candidate.cap = block, request.row, cap
+        for candidate, cap in zip(candidates, caps, strict=True):
+            candidate.block, candidate.cap = block, cap
 
 
 TREE_BEAM = 4  # parents expanded per depth at most: 8 did not raise τ over 4 at 32 nodes, and doubles the head steps
