@@ -97,11 +97,12 @@ class ChainRounds(PricedRounds):
         self, call: Call, candidates: list[ChainCandidate], requests: list[RowRequest], state: DecodeState
     ) -> list[VerifiedTree | None]:
         """Each active row's chain: its drafted block cut to the length the schedule chose
-        (:meth:`ChainSchedule.lengths`), or its whole lookup continuation; None for a finished row."""
+        (:meth:`ChainSchedule.lengths`), or the continuation a proposer gave it, whole; None for a finished row."""
         block = candidates[0].block  # the batch's, from the drafted block's one pass (shared by every row)
-        looked_up = {request.row: len(c) for request, c in zip(requests, candidates, strict=True) if c.looked_up}
+        # a row with a continuation (a lookup's, or another proposer's) verifies it whole
+        whole = {request.row: len(c) for request, c in zip(requests, candidates, strict=True) if c.source is not None}
         caps = [c.cap for c in candidates]  # a chain round's requests are the batch's rows, in order
-        lengths = self.schedule.lengths(caps, block.planner, block.confidences, state.active, looked_up)
+        lengths = self.schedule.lengths(caps, block.planner, block.confidences, state.active, whole)
         confidences = block.confidences.tolist() if block.confidences is not None else None  # one transfer
         active, sample = set(state.active), call.rules.do_sample
         verified = []
@@ -119,7 +120,7 @@ class ChainRounds(PricedRounds):
         walks: list[Walk | None],
     ) -> None:
         """After the verify: each verified row's stats; each drafted row's acceptance feeds the recalibration, a
-        looked-up row's the lookup's rate and width."""
+        looked-up row's the lookup's rate and width (another proposer's continuation feeds neither)."""
         stats = call.outputs.stats
         accepted = [0 if walk is None else len(walk.slots) for walk in walks]
         for request, c in zip(requests, candidates, strict=True):

@@ -34,15 +34,16 @@ from .verify import process
 
 @dataclass
 class ChainCandidate:
-    """A row's candidates in a chain round: a tree of width one. Either a looked-up continuation (``tokens`` [k],
-    set by :meth:`add_continuation`), or its row of the batch's drafted ``block`` (a
-    :class:`~hf_dspark.decoding.drafting.Proposal`, shared by the rows), of which it may verify ``cap`` tokens.
-    Once the schedule chose the row's length, :meth:`settle` keeps what the row verifies: ``tokens`` [ℓ] (on their
-    device), their q ``probs`` [ℓ, V] (sampling; one-hot for a looked-up token) and the draft's ``confidences``
-    (ℓ floats; None for a continuation, which neither the recalibration nor the stats count as drafted)."""
+    """A row's candidates in a chain round: a tree of width one. Either a proposer's continuation (``tokens`` [k],
+    set by :meth:`add_continuation`; ``source`` names the proposer, e.g. ``"lookup"``), or its row of the batch's
+    drafted ``block`` (a :class:`~hf_dspark.decoding.drafting.Proposal`, shared by the rows), of which it may verify
+    ``cap`` tokens. Once the schedule chose the row's length, :meth:`settle` keeps what the row verifies: ``tokens``
+    [ℓ] (on their device), their q ``probs`` [ℓ, V] (sampling; one-hot for a continuation's deterministic tokens) and
+    the draft's ``confidences`` (ℓ floats; None for a continuation, which neither the recalibration nor the stats
+    count as drafted)."""
 
     tokens: torch.Tensor | None = None
-    looked_up: bool = False
+    source: str | None = None  # the proposer of a continuation (None: the row verifies its drafted block)
     block: Proposal | None = None
     cap: int = 0
     probs: torch.Tensor | None = None
@@ -51,17 +52,21 @@ class ChainCandidate:
     def __len__(self) -> int:
         return 0 if self.tokens is None else self.tokens.shape[0]
 
+    @property
+    def looked_up(self) -> bool:
+        return self.source == "lookup"
+
     def add_continuation(self, tokens: torch.Tensor, edge: float, source: str) -> None:
-        """A proposer's continuation ``tokens`` [k] (a chain holds one: the first proposer's)."""
+        """A proposer's continuation ``tokens`` [k] (a chain holds one: the first proposer's; ``edge`` is for trees)."""
         if self.tokens is None:
-            self.tokens, self.looked_up = tokens, True
+            self.tokens, self.source = tokens, source
 
     def settle(
         self, row: int, length: int, confidences: list[list[float]] | None, vocab_size: int, sample: bool
     ) -> None:
         """Keep the ``length`` tokens batch row ``row`` verifies (a continuation: all of them); ``confidences``: the
         block's [R][ℓ], on the host (one transfer for the batch)."""
-        if self.looked_up:  # a deterministic proposal: q is one-hot (greedy needs no q)
+        if self.source is not None:  # a deterministic proposal: q is one-hot (greedy needs no q)
             self.probs = one_hot_probs(self.tokens, vocab_size) if sample else None
             return
         block, r = self.block, row

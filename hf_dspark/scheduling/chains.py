@@ -49,12 +49,12 @@ class ChainSchedule(Schedule):
         planner: ColumnPlan | None,
         confidences: torch.Tensor | None,
         active: list[int],
-        looked_up: dict[int, int],
+        continuations: dict[int, int],
     ) -> list[int]:
         """Tokens each of the R rows verifies: the ``planner``'s (closed while drafting), or chosen now from the
-        draft's ``confidences`` [R, ℓ] (None, or ℓ = 0: a round that did not draft) within ``caps`` [R]; a
-        looked-up row its whole continuation. Records the round's price and sets the back-off from what the
-        drafted ``active`` rows' plan expected."""
+        draft's ``confidences`` [R, ℓ] (None, or ℓ = 0: a round that did not draft) within ``caps`` [R]; a row in
+        ``continuations`` ({row: length}: a lookup's, or another proposer's) its whole continuation. Records the
+        round's price and sets the back-off from what the drafted ``active`` rows' plan expected."""
         rows = len(caps)
         if planner is not None:
             lengths = planner.lengths
@@ -63,17 +63,17 @@ class ChainSchedule(Schedule):
                                      self.layout, self.recalibration)  # fmt: skip
         drafted_round = confidences is not None and confidences.shape[1] > 0
         if self.observed is not None:
-            width = 1 + max([lengths[r] for r in active] + list(looked_up.values()))
+            width = 1 + max([lengths[r] for r in active] + list(continuations.values()))
             self.expect(drafted_round, rows * width, self.drafting if drafted_round else 0.0)
         if drafted_round:
             shifted = confidences if self.recalibration is None else self.recalibration.apply(confidences)
             self.confidences = [*self.confidences[-1:], shifted.cpu()]
             if self.priced:
-                drafted = [r for r in active if r not in looked_up]
+                drafted = [r for r in active if r not in continuations]
                 pays = drafting_pays(self.confidences[-1][drafted], [lengths[r] for r in drafted], rows, self.sps,
                                      self.drafting, self.premium)  # fmt: skip
                 self.backoff.judge(pays)
-        for r, length in looked_up.items():
+        for r, length in continuations.items():
             lengths[r] = length
         return lengths
 
