@@ -65,3 +65,26 @@ def test_a_new_proposer_joins_the_draft_in_one_tree(monkeypatch):
     assert kinds.count({"draft", "repeat"}) == repeat.proposed > 0  # merged into the draft's tree each time
     assert set(map(frozenset, kinds)) <= {frozenset({"draft"}), frozenset({"draft", "repeat"}), frozenset()}
     assert not any(out.dspark_stats.looked_up)
+
+
+class Overreaching(RepeatPeriod):
+    """Proposes the loop five times over, past the room its requests give (``max_depth``)."""
+
+    def propose(self, candidates, requests):
+        for candidate, request in zip(candidates, requests, strict=True):
+            if request.history.shape[0] >= PERIOD and request.max_depth > 0:
+                candidate.add_continuation(request.history[-PERIOD:].repeat(5), 0.5, "overreach")
+                self.proposed += 1
+
+
+def test_a_chain_verifies_a_continuation_only_within_its_rows_room(monkeypatch):
+    """A continuation longer than the row may verify (its drafted limit, or the room before ``max_length``) is cut
+    to it: the output stays plain greedy's, as long as asked, never past it."""
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
+    overreaching = Overreaching()
+    monkeypatch.setattr(chain.ChainRounds, "proposers", property(lambda self: [overreaching, self.drafter]))
+    ref = target.generate(PROMPT, max_new_tokens=30, do_sample=False)
+    out = _generate(target, draft, verify_mode="fixed")
+    assert out.sequences.tolist() == ref.tolist()
+    assert overreaching.proposed > 0 and max(out.dspark_stats.proposed) == draft.config.num_draft_tokens

@@ -99,8 +99,12 @@ class ChainRounds(PricedRounds):
         """Each active row's chain: its drafted block cut to the length the schedule chose
         (:meth:`ChainSchedule.lengths`), or the continuation a proposer gave it, whole; None for a finished row."""
         block = candidates[0].block  # the batch's, from the drafted block's one pass (shared by every row)
-        # a row with a continuation (a lookup's, or another proposer's) verifies it whole
-        whole = {request.row: len(c) for request, c in zip(requests, candidates, strict=True) if c.source is not None}
+        # a row with a continuation (a lookup's, or another proposer's) verifies it whole, within the row's room
+        whole = {
+            request.row: min(len(c), max(request.max_depth, request.lookup_depth or 0))
+            for request, c in zip(requests, candidates, strict=True)
+            if c.source is not None
+        }
         caps = [c.cap for c in candidates]  # a chain round's requests are the batch's rows, in order
         lengths = self.schedule.lengths(caps, block.planner, block.confidences, state.active, whole)
         confidences = block.confidences.tolist() if block.confidences is not None else None  # one transfer

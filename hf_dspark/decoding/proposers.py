@@ -64,9 +64,10 @@ class ChainCandidate:
     def settle(
         self, row: int, length: int, confidences: list[list[float]] | None, vocab_size: int, sample: bool
     ) -> None:
-        """Keep the ``length`` tokens batch row ``row`` verifies (a continuation: all of them); ``confidences``: the
-        block's [R][ℓ], on the host (one transfer for the batch)."""
+        """Keep the ``length`` tokens batch row ``row`` verifies (a continuation: its first ``length``, all of it
+        within the row's room); ``confidences``: the block's [R][ℓ], on the host (one transfer for the batch)."""
         if self.source is not None:  # a deterministic proposal: q is one-hot (greedy needs no q)
+            self.tokens = self.tokens[:length]
             self.probs = one_hot_probs(self.tokens, vocab_size) if sample else None
             return
         block, r = self.block, row
