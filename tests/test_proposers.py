@@ -32,15 +32,20 @@ def _generate(target, draft, **settings):
                            do_sample=False, return_dict_in_generate=True, **settings)  # fmt: skip
 
 
+def _chain_call(monkeypatch, proposer, verify_mode: str):
+    """Plain greedy's output, and a chain call whose rounds list ``proposer`` before the drafted block."""
+    target = tiny_target("llama")
+    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
+    monkeypatch.setattr(chain.ChainRounds, "proposers", property(lambda self: [proposer, self.drafter]))
+    ref = target.generate(PROMPT, max_new_tokens=30, do_sample=False)
+    return ref, _generate(target, draft, verify_mode=verify_mode), draft
+
+
 def test_a_new_proposer_serves_chain_rounds(monkeypatch):
     """Listed before the drafted block, it fills a row whenever it has a continuation, and that round does not
     draft: the row verifies the continuation whole, recorded as neither drafted (no confidences) nor looked up."""
-    target = tiny_target("llama")
-    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
     repeat = RepeatPeriod()
-    monkeypatch.setattr(chain.ChainRounds, "proposers", property(lambda self: [repeat, self.drafter]))
-    ref = target.generate(PROMPT, max_new_tokens=30, do_sample=False)
-    out = _generate(target, draft, verify_mode="scheduled")
+    ref, out, _ = _chain_call(monkeypatch, repeat, "scheduled")
     stats = out.dspark_stats
     assert out.sequences.tolist() == ref.tolist()
     repeated = [i for i, c in enumerate(stats.confidences) if c is None]
@@ -80,11 +85,7 @@ class Overreaching(RepeatPeriod):
 def test_a_chain_verifies_a_continuation_only_within_its_rows_room(monkeypatch):
     """A continuation longer than the row may verify (its drafted limit, or the room before ``max_length``) is cut
     to it: the output stays plain greedy's, as long as asked, never past it."""
-    target = tiny_target("llama")
-    draft = DSparkDraftModel.from_target(target, block_size=4, head_type="markov", head_rank=8)
     overreaching = Overreaching()
-    monkeypatch.setattr(chain.ChainRounds, "proposers", property(lambda self: [overreaching, self.drafter]))
-    ref = target.generate(PROMPT, max_new_tokens=30, do_sample=False)
-    out = _generate(target, draft, verify_mode="fixed")
+    ref, out, draft = _chain_call(monkeypatch, overreaching, "fixed")
     assert out.sequences.tolist() == ref.tolist()
     assert overreaching.proposed > 0 and max(out.dspark_stats.proposed) == draft.config.num_draft_tokens
