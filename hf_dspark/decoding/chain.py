@@ -128,15 +128,13 @@ class ChainRounds(PricedRounds):
         stats = call.outputs.stats
         accepted = [0 if walk is None else len(walk.slots) for walk in walks]
         for request, c in zip(requests, candidates, strict=True):
-            r = request.row
+            r, ell = request.row, len(c)
             if verified[r] is not None:
-                stats.record(len(c), accepted[r], walks[r].committed, c.confidences, looked_up=c.looked_up)
-        self.schedule.observe([c.confidences for c in candidates], accepted)
-        for request, c in zip(requests, candidates, strict=True):
+                stats.record(ell, accepted[r], walks[r].committed, c.confidences, looked_up=c.looked_up)
             if c.looked_up:
-                ell, r = len(c), request.row
                 self.lookup.observe(min(accepted[r] + 1, ell), accepted[r])
                 self.lookup.observe_width(ell, accepted[r])
+        self.schedule.observe([c.confidences for c in candidates], accepted)
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` [R'] of the schedule's remembered confidences (after :meth:`DecodeState.compact`)."""

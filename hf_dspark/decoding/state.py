@@ -98,13 +98,6 @@ class DecodeState:
         the bonus token (0 for a finished row)."""
         return [0 if self.finished[r] else min(limit, max_length - self.lengths[r] - 1) for r in range(self.size)]
 
-    def histories(self) -> list[torch.Tensor]:
-        return [self.history(r) for r in range(self.size)]
-
-    def draft_inputs(self) -> tuple[DraftContext, list[torch.Tensor], torch.Tensor]:
-        """What :func:`draft_block` drafts from: the draft's context, each row's history, the anchors' positions."""
-        return self.context, self.histories(), self.anchor_positions
-
     def attention_mask(self, block_valid: torch.Tensor) -> torch.Tensor | None:
         """The target's mask for a verify block: [R, S + W] over the cache and the block (``None``: no holes)."""
         mask = torch.cat([self.cache_mask, block_valid.long()], dim=1)
